@@ -1,0 +1,189 @@
+"""``CheckpointConfig``: TorchTitan's ``[checkpoint]`` options, validated, plus the small
+dataclass <-> TOML machinery that the trainer's other sections share."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+EXPORT_DTYPES = ("float16", "bfloat16", "float32")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the option and how to fix it."""
+
+
+@dataclass
+class CheckpointConfig:
+    """TorchTitan's ``[checkpoint]`` options, same names, defaults and meanings."""
+
+    enable: bool = False
+    """Turn checkpointing on."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, joined to the base (dump) folder unless absolute."""
+    interval: int = 500
+    """Save every ``interval`` steps (and at the last step)."""
+    initial_load_path: str | None = None
+    """Checkpoint to start from when ``folder`` holds no checkpoint yet."""
+    initial_load_model_only: bool = True
+    """The initial load restores the model only."""
+    initial_load_in_hf: bool = False
+    """The initial load reads Hugging Face safetensors (needs ``initial_load_model_only``)."""
+    last_save_model_only: bool = True
+    """The save at the last step holds the model only."""
+    last_save_in_hf: bool = False
+    """The last save is written as Hugging Face safetensors (needs ``last_save_model_only``)."""
+    export_dtype: str = "float32"
+    """dtype of floating tensors in a model-only last save: float16, bfloat16 or float32."""
+    async_mode: str = "disabled"
+    """disabled, async or async_with_pinned_mem (case-insensitive)."""
+    keep_latest_k: int = 10
+    """Published checkpoints kept; 0 keeps all; 1 is refused (the newest may be in flight)."""
+    load_step: int = -1
+    """Step to load; -1 loads the latest published step."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """State keys not restored on load (``model`` cannot be excluded)."""
+    enable_first_step_checkpoint: bool = False
+    """Also save after step 1."""
+    create_seed_checkpoint: bool = False
+    """Build the model on one rank without parallelism, save it as step 0 and stop."""
+    load_only: bool = False
+    """Load checkpoints but never save."""
+
+    def __post_init__(self) -> None:
+        self.async_mode = str(self.async_mode).lower()
+        if not str(self.folder).strip():
+            raise ConfigError("[checkpoint] folder must not be empty (default: 'checkpoint')")
+        if self.interval < 1:
+            raise ConfigError(
+                f"[checkpoint] interval must be >= 1, got {self.interval}: it is the number of "
+                "steps between two saves"
+            )
+        if self.keep_latest_k == 1 or self.keep_latest_k < 0:
+            raise ConfigError(
+                f"[checkpoint] keep_latest_k = {self.keep_latest_k} is not allowed: use 0 to keep "
+                "every checkpoint or a value >= 2 (the newest checkpoint may still be being "
+                "written while the previous one is the only complete one)"
+            )
+        if self.load_step < -1:
+            raise ConfigError(
+                f"[checkpoint] load_step must be -1 (latest) or a step >= 0, got {self.load_step}"
+            )
+        if self.async_mode not in ASYNC_MODES:
+            raise ConfigError(
+                f"[checkpoint] async_mode {self.async_mode!r} is not one of "
+                f"{', '.join(ASYNC_MODES)}"
+            )
+        if self.export_dtype not in EXPORT_DTYPES:
+            raise ConfigError(
+                f"[checkpoint] export_dtype {self.export_dtype!r} is not one of "
+                f"{', '.join(EXPORT_DTYPES)}"
+            )
+        if "model" in self.exclude_from_loading:
+            raise ConfigError(
+                "[checkpoint] exclude_from_loading may not contain 'model': a checkpoint is "
+                "loaded to restore the model"
+            )
+        if self.initial_load_in_hf and not self.initial_load_model_only:
+            raise ConfigError(
+                "[checkpoint] initial_load_in_hf = true requires initial_load_model_only = true: "
+                "Hugging Face folders hold model weights only"
+            )
+        if self.last_save_in_hf and not self.last_save_model_only:
+            raise ConfigError(
+                "[checkpoint] last_save_in_hf = true requires last_save_model_only = true: "
+                "Hugging Face folders hold model weights only"
+            )
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> CheckpointConfig:
+        """Read the ``[checkpoint]`` section of a TOML file."""
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        return section_from_dict(cls, "checkpoint", data.get("checkpoint", {}))
+
+
+# --- dataclass <-> dict machinery ---------------------------------------------------------------
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _base_type(annotation: Any) -> tuple[Any, bool]:
+    """(the non-None type of ``annotation``, whether None is allowed)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return (args[0] if len(args) == 1 else annotation), True
+    return annotation, False
+
+
+def coerce_value(section: str, name: str, annotation: Any, value: Any) -> Any:
+    """Convert a TOML value, or a command-line string, to the option's type; errors name it."""
+    base, optional = _base_type(annotation)
+    where = f"[{section}] {name}"
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "")):
+        if optional:
+            return None
+        raise ConfigError(f"{where} cannot be empty")
+    origin = typing.get_origin(base)
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if base in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        try:
+            if base is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return base(value)
+        except (TypeError, ValueError):
+            kind = "an integer" if base is int else "a number"
+            raise ConfigError(f"{where} must be {kind}, got {value!r}") from None
+    if base is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    if origin is list:
+        (item_type,) = typing.get_args(base) or (str,)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return [coerce_value(section, name, item_type, v) for v in value]
+    return value
+
+
+def section_from_dict(cls: type, section: str, data: dict[str, Any]) -> Any:
+    """Build the dataclass of one TOML section; an unknown option is an error naming it."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"[{section}] must be a table of options, got {data!r}")
+    hints = _field_types(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"unknown option {', '.join(f'[{section}] {u}' for u in unknown)}; "
+            f"[{section}] knows: {', '.join(names)}"
+        )
+    kwargs = {k: coerce_value(section, k, hints[k], v) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"[{section}] {e}") from None
+
+
+def section_to_dict(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}

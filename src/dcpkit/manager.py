@@ -1,0 +1,423 @@
+"""``CheckpointManager``: when to save, what to load. The how lives in layout, states, integrity.
+
+Save path: states collected (DTensors stay sharded) -> DCP writes ``.tmp-step-N`` -> every rank
+checksums its own files -> rank 0 writes the manifest and publishes ``step-N`` -> retention.
+Load path: the latest published step (or ``load_step``) -> a template of the current state ->
+``dcp.load`` reshards into it -> each piece restores itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from dcpkit import dist, failpoints, layout
+from dcpkit.config import CheckpointConfig, ConfigError
+from dcpkit.integrity import CHECKSUM_ALGORITHM, describe_files, rank_files
+from dcpkit.states import (
+    DATALOADER,
+    LR_SCHEDULER,
+    MODEL,
+    OPTIMIZER,
+    RNG,
+    ModelState,
+    OptimizerState,
+    SchedulerState,
+    Stateful,
+    capture_rng,
+    restore_rng,
+    rng_key,
+    rng_source_rank,
+)
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+MANIFEST_FORMAT = "dcpkit-checkpoint/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message says which one and why."""
+
+
+@dataclass
+class LoadPlan:
+    path: str | None
+    step: int | None
+    model_only: bool
+    reason: str
+    error: str | None = None
+
+
+class CheckpointManager:
+    """Saves and restores all training state; usable by any PyTorch trainer.
+
+    Call order: ``load()`` once before training; each step ``maybe_wait_for_staging()`` before
+    ``optimizer.step()`` and ``save(step, last_step=...)`` after it; ``close()`` at the end (or use
+    the manager as a context manager).
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        base_folder: str | Path,
+        model: nn.Module | Sequence[nn.Module],
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        dataloader: Stateful | None = None,
+        states: dict[str, Stateful] | None = None,
+        save_rng: bool = True,
+    ) -> None:
+        self.config = config
+        folder = Path(config.folder)
+        self.folder = folder if folder.is_absolute() else Path(base_folder) / folder
+        self.model = ModelState(model)
+        self.states: dict[str, Stateful] = {}
+        if optimizer is not None:
+            self.states[OPTIMIZER] = OptimizerState(model, optimizer)
+        if lr_scheduler is not None:
+            self.states[LR_SCHEDULER] = SchedulerState(lr_scheduler)
+        if dataloader is not None:
+            self.states[DATALOADER] = dataloader
+        for name, obj in (states or {}).items():
+            if name in self.states or name in (MODEL, RNG):
+                raise ValueError(f"state name {name!r} is reserved by CheckpointManager")
+            if not isinstance(obj, Stateful):
+                raise TypeError(
+                    f"states[{name!r}] must have state_dict() and load_state_dict(), "
+                    f"got {type(obj).__name__}"
+                )
+            self.states[name] = obj
+        self.save_rng = save_rng
+        self._check_config()
+        self.rank = dist.rank()
+        self.world_size = dist.world_size()
+        self.last_saved_step: int | None = None
+        self.loaded_step: int | None = None
+        if self.config.enable and not self.config.load_only and self.rank == 0:
+            layout.clean_leftovers(self.folder)
+        dist.barrier()
+
+    # ------------------------------------------------------------------ configuration
+
+    def state_names(self) -> list[str]:
+        names = [MODEL, *self.states]
+        if self.save_rng:
+            names.append(RNG)
+        return names
+
+    def _check_config(self) -> None:
+        cfg = self.config
+        unknown = sorted(set(cfg.exclude_from_loading) - set(self.state_names()))
+        if unknown:
+            raise ConfigError(
+                f"[checkpoint] exclude_from_loading names {', '.join(map(repr, unknown))}, which "
+                f"this run does not checkpoint; known state keys: {', '.join(self.state_names())}"
+            )
+        if cfg.async_mode != "disabled":
+            raise ConfigError(
+                f"[checkpoint] async_mode = {cfg.async_mode!r} is not available in this version: "
+                "asynchronous saves come with the async checkpointing work; use 'disabled'"
+            )
+        if cfg.initial_load_in_hf or cfg.last_save_in_hf:
+            raise ConfigError(
+                "[checkpoint] initial_load_in_hf / last_save_in_hf are not available in this "
+                "version: Hugging Face I/O comes with the conversion work; convert with "
+                "`dcpkit` instead"
+            )
+
+    # ------------------------------------------------------------------ load
+
+    def _plan_load(self) -> LoadPlan:
+        cfg = self.config
+        steps = layout.published_steps(self.folder)
+        if cfg.load_step != -1:
+            if cfg.load_step not in steps:
+                have = ", ".join(map(str, steps)) or "none"
+                return LoadPlan(
+                    None,
+                    None,
+                    False,
+                    "",
+                    error=(
+                        f"[checkpoint] load_step = {cfg.load_step}, but {self.folder} has no "
+                        f"published "
+                        f"checkpoint step-{cfg.load_step} (published steps: {have}); set load_step "
+                        "to one of them, or to -1 for the latest"
+                    ),
+                )
+            return LoadPlan(
+                str(layout.step_dir(self.folder, cfg.load_step)),
+                cfg.load_step,
+                cfg.load_step == 0,
+                f"load_step = {cfg.load_step}",
+            )
+        if steps:
+            why = f"latest published step in {self.folder}"
+            if cfg.initial_load_path:
+                why += " (initial_load_path is ignored: the checkpoint folder is not empty)"
+            # Step 0 is a seed checkpoint: the model only (TorchTitan's rule).
+            return LoadPlan(
+                str(layout.step_dir(self.folder, steps[-1])), steps[-1], steps[-1] == 0, why
+            )
+        if cfg.initial_load_path:
+            path = Path(cfg.initial_load_path)
+            if not layout.is_complete(path):
+                return LoadPlan(
+                    None,
+                    None,
+                    False,
+                    "",
+                    error=(
+                        f"[checkpoint] initial_load_path {str(path)!r} is not a checkpoint (no "
+                        f"{layout.METADATA} in it); point it at a step-N folder"
+                    ),
+                )
+            return LoadPlan(
+                str(path),
+                None,
+                cfg.initial_load_model_only,
+                "initial_load_path (the checkpoint folder is empty)",
+            )
+        return LoadPlan(None, None, False, f"no checkpoint in {self.folder}: starting fresh")
+
+    def load(self) -> int | None:
+        """Restore the latest published checkpoint (or ``load_step``). Returns its step, or None
+        when there is nothing to load and training starts fresh."""
+        if not self.config.enable:
+            return None
+        plan = dist.broadcast_object(self._plan_load() if self.rank == 0 else None)
+        if plan.error:
+            raise ConfigError(plan.error)
+        if plan.path is None:
+            logger.info("checkpoint: %s", plan.reason)
+            return None
+        start = time.perf_counter()
+        loaded = self.load_from(plan.path, model_only=plan.model_only)
+        logger.info(
+            "checkpoint: loaded %s (%s; %s) in %.2fs",
+            plan.path,
+            plan.reason,
+            ", ".join(loaded),
+            time.perf_counter() - start,
+        )
+        self.loaded_step = plan.step
+        return plan.step
+
+    def load_from(self, path: str | Path, model_only: bool = False) -> list[str]:
+        """Load the checkpoint at ``path`` into the current state (any world size).
+
+        Returns the names of the state pieces restored.
+        """
+        path = Path(path)
+        try:
+            metadata = FileSystemReader(str(path)).read_metadata()
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{path} is not a checkpoint: it has no {layout.METADATA}"
+            ) from None
+        saved = set(metadata.state_dict_metadata)
+
+        def has_group(name: str) -> bool:
+            prefix = name + "."
+            return name in saved or any(k.startswith(prefix) for k in saved)
+
+        template: dict[str, Any] = {}
+        model_sd = self.model.state_dict()
+        missing = sorted(k for k in model_sd if k not in saved)
+        if missing:
+            shown = ", ".join(missing[:8]) + (
+                f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            )
+            raise CheckpointError(
+                f"{path} does not hold {len(missing)} of this model's parameters ({shown}); "
+                "is it a checkpoint of another model or flavor?"
+            )
+        template.update(model_sd)
+        restored = [MODEL]
+        excluded = set(self.config.exclude_from_loading)
+        pieces: list[str] = []
+        if not model_only:
+            for name in self.states:
+                if name in excluded:
+                    logger.info("checkpoint: not loading %r (exclude_from_loading)", name)
+                elif not has_group(name):
+                    logger.warning("checkpoint: %s holds no %r; it starts fresh", path, name)
+                else:
+                    template[name] = self.states[name].state_dict()
+                    pieces.append(name)
+        rng_plan = None
+        if not model_only and self.save_rng and RNG not in excluded:
+            rng_plan = self._plan_rng(saved, path)
+            if rng_plan is not None:
+                template[RNG] = {rng_key(rng_plan[0]): b""}
+        dcp.load(template, storage_reader=FileSystemReader(str(path)), no_dist=not dist.is_dist())
+        self.model.load_state_dict({k: template[k] for k in model_sd})
+        for name in pieces:
+            self.states[name].load_state_dict(template[name])
+            restored.append(name)
+        if rng_plan is not None:
+            source, offset = rng_plan
+            restore_rng(template[RNG][rng_key(source)], reseed_offset=offset)
+            restored.append(RNG)
+        return restored
+
+    def _plan_rng(self, saved: set[str], path: Path) -> tuple[int, int] | None:
+        saved_ranks = sorted(int(k.split("_")[-1]) for k in saved if k.startswith(f"{RNG}.rank_"))
+        if not saved_ranks:
+            logger.warning("checkpoint: %s holds no RNG state; RNG streams start fresh", path)
+            return None
+        saved_world = len(saved_ranks)
+        source, offset = rng_source_rank(self.rank, saved_world)
+        if saved_world != self.world_size and self.rank == 0:
+            logger.warning(
+                "checkpoint: RNG saved by %d ranks, restored on %d: rank r takes saved rank "
+                "r %% %d%s",
+                saved_world,
+                self.world_size,
+                saved_world,
+                "; ranks beyond the saved ones fork that stream (offset r // saved)"
+                if self.world_size > saved_world
+                else "",
+            )
+        return source, offset
+
+    # ------------------------------------------------------------------ save
+
+    def should_save(self, step: int, last_step: bool = False) -> bool:
+        cfg = self.config
+        if not cfg.enable or cfg.load_only or step == self.last_saved_step:
+            return False
+        if step == 1 and cfg.enable_first_step_checkpoint:
+            return True
+        return last_step or step % cfg.interval == 0
+
+    def maybe_wait_for_staging(self) -> None:
+        """Block until the state being staged for a save may be modified (before
+        ``optimizer.step()``). Synchronous saves finish inside ``save``: nothing to wait for."""
+
+    def save(self, step: int, last_step: bool = False, force: bool = False) -> bool:
+        """Save at ``step`` if the policy says so (or ``force``). Returns whether it saved."""
+        if not (
+            self.should_save(step, last_step)
+            or (
+                force
+                and self.config.enable
+                and not self.config.load_only
+                and step != self.last_saved_step
+            )
+        ):
+            return False
+        model_only = last_step and self.config.last_save_model_only
+        state = self.collect(model_only=model_only)
+        start = time.perf_counter()
+        self._write(state, step, model_only)
+        self.last_saved_step = step
+        logger.info(
+            "checkpoint: saved step %d%s to %s in %.2fs",
+            step,
+            " (model only, " + self.config.export_dtype + ")" if model_only else "",
+            layout.step_dir(self.folder, step),
+            time.perf_counter() - start,
+        )
+        return True
+
+    def save_seed_checkpoint(self) -> Path:
+        """Save the model alone as step 0 (``create_seed_checkpoint``)."""
+        self._write(self.collect(model_only=True, cast=False), 0, model_only=True)
+        self.last_saved_step = 0
+        return layout.step_dir(self.folder, 0)
+
+    def collect(self, model_only: bool = False, cast: bool = True) -> dict[str, Any]:
+        """The state dict to write, in TorchTitan's top-level layout."""
+        state: dict[str, Any] = dict(self.model.state_dict())
+        if model_only:
+            dtype = _DTYPES[self.config.export_dtype]
+            if cast and dtype != torch.float32:
+                state = {
+                    k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+                    for k, v in state.items()
+                }
+            return state
+        for name, obj in self.states.items():
+            state[name] = obj.state_dict()
+        if self.save_rng:
+            state[RNG] = {rng_key(self.rank): capture_rng()}
+        return state
+
+    def _write(self, state: dict[str, Any], step: int, model_only: bool) -> None:
+        tmp = layout.temp_dir(self.folder, step)
+        final = layout.step_dir(self.folder, step)
+        if self.rank == 0:
+            if tmp.exists():
+                layout.clean_leftovers(self.folder)
+            tmp.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dcp.save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=not dist.is_dist())
+        failpoints.hit("after_write", step, self.rank)
+        files = describe_files(tmp, rank_files(tmp, self.rank))
+        gathered = dist.all_gather_object(files)
+        if self.rank == 0:
+            all_files: dict[str, Any] = {}
+            for part in gathered:
+                all_files.update(part)
+            all_files.update(describe_files(tmp, [layout.METADATA]))
+            groups = [MODEL] if model_only else self.state_names()
+            layout.write_json_durably(
+                tmp / layout.MANIFEST, self._manifest(step, groups, all_files)
+            )
+            failpoints.hit("before_publish", step, self.rank)
+            layout.publish(tmp, final)
+            failpoints.hit("after_publish", step, self.rank)
+            removed = layout.apply_retention(self.folder, self.config.keep_latest_k)
+            if removed:
+                logger.info("checkpoint: retention removed step %s", ", ".join(map(str, removed)))
+        dist.barrier()
+
+    def _manifest(self, step: int, groups: list[str], files: dict[str, Any]) -> dict[str, Any]:
+        from dcpkit import __version__
+
+        return {
+            "format": MANIFEST_FORMAT,
+            "step": step,
+            "world_size": self.world_size,
+            "mesh": self._mesh_info(),
+            "groups": groups,
+            "model_only": groups == [MODEL],
+            "dtype": self.config.export_dtype if groups == [MODEL] else None,
+            "checksum": CHECKSUM_ALGORITHM,
+            "files": files,
+            "dcpkit_version": __version__,
+            "torch_version": torch.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+
+    def _mesh_info(self) -> dict[str, Any] | None:
+        from torch.distributed.tensor import DTensor
+
+        for part in self.model.parts:
+            for p in part.parameters():
+                if isinstance(p, DTensor):
+                    mesh = p.device_mesh
+                    return {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or [])}
+        return None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Finish pending work. Synchronous saves are durable when ``save`` returns."""
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""The reference trainer (``python -m dcpkit.train``)."""
