@@ -12,7 +12,7 @@ import os
 import signal
 
 ENV = "DCPKIT_FAILPOINT"
-POINTS = ("after_write", "before_publish", "after_publish")
+POINTS = ("mid_write", "after_write", "before_publish", "after_publish")
 
 
 def hit(name: str, step: int, rank: int) -> None:

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +147,45 @@ def read_manifest(path: str | Path) -> dict[str, Any] | None:
         return None
     with open(p) as f:
         return json.load(f)
+
+
+@dataclass
+class FolderEntry:
+    name: str
+    step: int | None
+    size: int
+    mtime: float
+    status: str
+
+
+def _tree_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def describe_folder(folder: str | Path) -> list[FolderEntry]:
+    """Every checkpoint-like entry under ``folder``: published ones and interrupted leftovers."""
+    root = Path(folder)
+    rows = []
+    leftover = {p.name for p in leftovers(root)}
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir():
+            continue
+        m = STEP_DIR_RE.match(entry.name)
+        if entry.name in leftover:
+            digits = entry.name.rsplit("-", 1)[-1]
+            step = int(digits) if digits.isdigit() else None
+            status = "incomplete (interrupted save; never loaded, removed by the next save)"
+        elif m:
+            step = int(m.group(1))
+            manifest = read_manifest(entry)
+            if manifest is None:
+                status = "published (no dcpkit manifest)"
+            elif manifest.get("model_only"):
+                status = f"published, model only ({manifest.get('dtype')})"
+            else:
+                status = f"published, {manifest.get('world_size')} rank(s)"
+        else:
+            continue
+        rows.append(FolderEntry(entry.name, step, _tree_size(entry), entry.stat().st_mtime, status))
+    rows.sort(key=lambda r: (r.step is None, r.step or 0, r.name))
+    return rows

@@ -58,6 +58,21 @@ class LoadPlan:
     error: str | None = None
 
 
+class _StepWriter(FileSystemWriter):
+    """DCP's filesystem writer, with a crash point once this rank's data is on disk (before
+    rank 0 has written ``.metadata``)."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        super().__init__(str(path))
+        self._step = step
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        future = super().write_data(plan, planner)
+        future.wait()
+        failpoints.hit("mid_write", self._step, dist.rank())
+        return future
+
+
 class CheckpointManager:
     """Saves and restores all training state; usable by any PyTorch trainer.
 
@@ -362,7 +377,7 @@ class CheckpointManager:
                 layout.clean_leftovers(self.folder)
             tmp.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dcp.save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=not dist.is_dist())
+        dcp.save(state, storage_writer=_StepWriter(tmp, step), no_dist=not dist.is_dist())
         failpoints.hit("after_write", step, self.rank)
         files = describe_files(tmp, rank_files(tmp, self.rank))
         gathered = dist.all_gather_object(files)

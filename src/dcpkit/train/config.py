@@ -54,6 +54,12 @@ class Training:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError(f"[training] steps must be >= 1, got {self.steps}")
+        if self.global_batch_size < 1:
+            raise ConfigError(
+                f"[training] global_batch_size must be >= 1, got {self.global_batch_size}"
+            )
+        if self.seq_len < 1:
+            raise ConfigError(f"[training] seq_len must be >= 1, got {self.seq_len}")
         if self.stop_at_step < 0:
             raise ConfigError(f"[training] stop_at_step must be >= 0, got {self.stop_at_step}")
         if self.max_norm < 0:

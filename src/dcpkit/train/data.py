@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dcpkit.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 BOS = "<|begin_of_text|>"
@@ -57,7 +59,7 @@ def corpus_files(
             )
         files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES)
         if not files:
-            raise ValueError(
+            raise ConfigError(
                 f"[training] dataset_path {str(root)!r} holds no text files "
                 f"({', '.join(sorted(_TEXT_SUFFIXES))})"
             )
@@ -174,12 +176,12 @@ class TokenSamples:
 
     def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
         if seq_len < 1:
-            raise ValueError(f"[training] seq_len must be >= 1, got {seq_len}")
+            raise ConfigError(f"[training] seq_len must be >= 1, got {seq_len}")
         self.tokens = tokens
         self.seq_len = seq_len
         self.num_samples = (len(tokens) - 1) // seq_len
         if self.num_samples < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"the corpus has {len(tokens)} tokens, fewer than one sample of seq_len "
                 f"{seq_len} + 1; use more text or a shorter [training] seq_len"
             )
@@ -208,9 +210,9 @@ class GlobalBatchLoader:
         seed: int = 0,
     ) -> None:
         if global_batch_size < 1:
-            raise ValueError(f"[training] global_batch_size must be >= 1, got {global_batch_size}")
+            raise ConfigError(f"[training] global_batch_size must be >= 1, got {global_batch_size}")
         if global_batch_size % dp_degree:
-            raise ValueError(
+            raise ConfigError(
                 f"[training] global_batch_size ({global_batch_size}) must be divisible by the "
                 f"data-parallel degree ({dp_degree})"
             )
@@ -268,7 +270,7 @@ class GlobalBatchLoader:
         for key in ("num_samples", "seq_len", "seed"):
             saved, current = state.get(key), ours[key]
             if saved is not None and saved != current:
-                raise ValueError(
+                raise ConfigError(
                     f"the checkpoint's dataloader was built with {key}={saved}, this run has "
                     f"{key}={current}: the sample order would not continue where it stopped. "
                     "Use the same data, [training] seq_len and seed, or exclude 'dataloader' "

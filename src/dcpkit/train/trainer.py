@@ -24,6 +24,7 @@ from dcpkit.manager import CheckpointError, CheckpointManager
 from dcpkit.models import build_model
 from dcpkit.train.config import TrainConfig, load_config
 from dcpkit.train.data import GlobalBatchLoader, TokenSamples, prepare_corpus
+from dcpkit.train.grad import clip_grad_norm_
 from dcpkit.train.lr import build_scheduler
 from dcpkit.train.parallelize import build_mesh, device_for_rank, mesh_shape, parallelize
 
@@ -46,9 +47,16 @@ class TrainState:
 
 
 def _init_distributed() -> None:
-    if "RANK" in os.environ and not torch_dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch_dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:
         torch_dist.init_process_group(backend=backend)
+    else:
+        # Started without torchrun: a one-process group, so meshes and DCP work the same way.
+        torch_dist.init_process_group(
+            backend=backend, store=torch_dist.HashStore(), rank=0, world_size=1
+        )
 
 
 def _setup_logging(rank: int) -> None:
@@ -59,6 +67,9 @@ def _setup_logging(rank: int) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+    # The grad-norm reduction over a 2-D (dp, tp) mesh takes two all-reduces; DTensor warns about
+    # that on every rank at the first step. Every rank still computes the same norm.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def _prepare_data(cfg: TrainConfig, vocab_size: int, rank: int):
@@ -100,150 +111,156 @@ class MetricsWriter:
             self.file.close()
 
 
-def train(cfg: TrainConfig) -> int:
-    """Run training as configured; returns the last step reached."""
-    _init_distributed()
-    rank, world = dist.rank(), dist.world_size()
-    _setup_logging(rank)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = device_for_rank(local_rank)
-    dp, tp = mesh_shape(cfg.parallelism, world)
-    dump = Path(cfg.job.dump_folder)
-    if rank == 0:
-        dump.mkdir(parents=True, exist_ok=True)
-    if cfg.training.deterministic:
-        torch.use_deterministic_algorithms(True)
-    ck = cfg.checkpoint
-    if ck.create_seed_checkpoint:
-        if world != 1:
+class Trainer:
+    """Sets up model, data, optimizer and checkpointing from a ``TrainConfig``; ``fit()`` trains."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        _init_distributed()
+        self.rank, self.world = dist.rank(), dist.world_size()
+        _setup_logging(self.rank)
+        self.device = device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
+        self.dp, self.tp = mesh_shape(cfg.parallelism, self.world)
+        self.dump = Path(cfg.job.dump_folder)
+        if self.rank == 0:
+            self.dump.mkdir(parents=True, exist_ok=True)
+        if cfg.training.deterministic:
+            torch.use_deterministic_algorithms(True)
+        ck = cfg.checkpoint
+        if ck.create_seed_checkpoint and self.world != 1:
             raise ConfigError(
                 "[checkpoint] create_seed_checkpoint needs exactly one rank (the model is saved "
-                f"unsharded), this run has {world}; run it with --nproc-per-node 1"
+                f"unsharded), this run has {self.world}; run it with --nproc-per-node 1"
             )
-        if not ck.enable:
+        if ck.create_seed_checkpoint and not ck.enable:
             raise ConfigError(
                 "[checkpoint] create_seed_checkpoint needs [checkpoint] enable = true"
             )
+        # Every rank builds the same full model from the seed, then keeps its shards: the
+        # initial weights do not depend on the world size.
+        torch.manual_seed(cfg.training.seed)
+        model = build_model(cfg.model.name, cfg.model.flavor, max_seq_len=cfg.training.seq_len)
+        n_params = sum(p.numel() for p in model.parameters())
+        logger.info(
+            "dcpkit train: %s %s (%.2fM parameters) on %d rank(s): dp_shard=%d tp=%d, %s",
+            cfg.model.name,
+            cfg.model.flavor,
+            n_params / 1e6,
+            self.world,
+            self.dp,
+            self.tp,
+            self.device.type,
+        )
+        self.model = model
+        if ck.create_seed_checkpoint:
+            self.checkpoint = CheckpointManager(ck, self.dump, model)
+            return
+        corpus = _prepare_data(cfg, model.args.vocab_size, self.rank)
+        if self.rank == 0:
+            (self.dump / "tokenizer.json").write_text(corpus.tokenizer_json)
+        self.mesh = build_mesh(self.device.type, self.dp, self.tp)
+        self.model = parallelize(model.to(self.device), self.mesh)
+        opt = cfg.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=opt.lr,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+        )
+        self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, cfg.lr_scheduler)
+        self.loader = GlobalBatchLoader(
+            TokenSamples(corpus.tokens, cfg.training.seq_len),
+            cfg.training.global_batch_size,
+            dp_rank=self.mesh["dp_shard"].get_local_rank(),
+            dp_degree=self.dp,
+            seed=cfg.training.seed,
+        )
+        self.state = TrainState()
+        torch.manual_seed(cfg.training.seed + self.rank)
+        self.checkpoint = CheckpointManager(
+            ck,
+            self.dump,
+            self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.scheduler,
+            dataloader=self.loader,
+            states={"train_state": self.state},
+        )
 
-    torch.manual_seed(cfg.training.seed)
-    model = build_model(cfg.model.name, cfg.model.flavor, max_seq_len=cfg.training.seq_len)
-    vocab = model.args.vocab_size
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info(
-        "dcpkit train: %s %s (%.2fM parameters) on %d rank(s): dp_shard=%d tp=%d, %s",
-        cfg.model.name,
-        cfg.model.flavor,
-        n_params / 1e6,
-        world,
-        dp,
-        tp,
-        device.type,
-    )
-    if ck.create_seed_checkpoint:
-        mgr = CheckpointManager(ck, dump, model)
-        path = mgr.save_seed_checkpoint()
-        logger.info("seed checkpoint written to %s", path)
-        return 0
-
-    corpus = _prepare_data(cfg, vocab, rank)
-    if rank == 0:
-        (dump / "tokenizer.json").write_text(corpus.tokenizer_json)
-    mesh = build_mesh(device.type, dp, tp)
-    model = parallelize(model.to(device), mesh)
-    opt = cfg.optimizer
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=opt.lr,
-        betas=(opt.beta1, opt.beta2),
-        eps=opt.eps,
-        weight_decay=opt.weight_decay,
-    )
-    scheduler = build_scheduler(optimizer, cfg.training.steps, cfg.lr_scheduler)
-    samples = TokenSamples(corpus.tokens, cfg.training.seq_len)
-    loader = GlobalBatchLoader(
-        samples,
-        cfg.training.global_batch_size,
-        dp_rank=mesh["dp_shard"].get_local_rank(),
-        dp_degree=dp,
-        seed=cfg.training.seed,
-    )
-    state = TrainState()
-    torch.manual_seed(cfg.training.seed + rank)
-    mgr = CheckpointManager(
-        ck,
-        dump,
-        model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        dataloader=loader,
-        states={"train_state": state},
-    )
-    mgr.load()
-    if state.step:
-        logger.info("resuming after step %d (%d tokens seen)", state.step, state.ntokens_seen)
-    dp_group = mesh["dp_shard"].get_group() if dist.is_dist() else None
-    metrics = MetricsWriter(dump / "metrics.jsonl", rank == 0)
-    tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
-    try:
-        while state.step < cfg.training.steps:
-            step = state.step + 1
-            t0 = time.perf_counter()
-            inputs, labels = loader.next_batch()
-            inputs, labels = inputs.to(device), labels.to(device)
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-            loss.backward()
-            grad_norm = None
-            if cfg.training.max_norm > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    model.parameters(), cfg.training.max_norm, foreach=True
+    def fit(self) -> int:
+        """Load the latest checkpoint, train to ``training.steps`` (or ``stop_at_step``)."""
+        cfg = self.cfg
+        if cfg.checkpoint.create_seed_checkpoint:
+            path = self.checkpoint.save_seed_checkpoint()
+            logger.info("seed checkpoint written to %s", path)
+            return 0
+        model, optimizer, scheduler, state = self.model, self.optimizer, self.scheduler, self.state
+        self.checkpoint.load()
+        if state.step:
+            logger.info("resuming after step %d (%d tokens seen)", state.step, state.ntokens_seen)
+        dp_group = self.mesh["dp_shard"].get_group() if self.dp > 1 else None
+        metrics = MetricsWriter(self.dump / "metrics.jsonl", self.rank == 0)
+        tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
+        try:
+            while state.step < cfg.training.steps:
+                step = state.step + 1
+                t0 = time.perf_counter()
+                inputs, labels = self.loader.next_batch()
+                logits = model(inputs.to(self.device))
+                loss = F.cross_entropy(
+                    logits.flatten(0, 1).float(), labels.to(self.device).flatten()
                 )
-                if hasattr(grad_norm, "full_tensor"):
-                    grad_norm = grad_norm.full_tensor()
-            stall0 = time.perf_counter()
-            mgr.maybe_wait_for_staging()
-            stall = time.perf_counter() - stall0
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state.step = step
-            state.ntokens_seen += tokens_per_step
-            global_loss = loss.detach().clone()
-            if dp_group is not None and dp > 1:
-                torch_dist.all_reduce(global_loss, group=dp_group)
-                global_loss /= dp
-            stall0 = time.perf_counter()
-            stop_here = step == cfg.training.stop_at_step
-            saved = mgr.save(step, last_step=step == cfg.training.steps, force=stop_here)
-            stall += time.perf_counter() - stall0
-            metrics.write(
-                {
-                    "step": step,
-                    "loss": global_loss.item(),
-                    "lr": lr,
-                    "grad_norm": None if grad_norm is None else float(grad_norm),
-                    "tokens_seen": state.ntokens_seen,
-                    "world_size": world,
-                    "checkpoint_stall_s": stall,
-                    "checkpoint_saved": saved,
-                    "step_time_s": time.perf_counter() - t0,
-                }
-            )
-            if stop_here:
-                logger.info("stopping after step %d (training.stop_at_step)", step)
-                break
-    finally:
-        mgr.close()
-        metrics.close()
-    return state.step
+                loss.backward()
+                grad_norm = None
+                if cfg.training.max_norm > 0:
+                    grad_norm = clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+                stall0 = time.perf_counter()
+                self.checkpoint.maybe_wait_for_staging()
+                stall = time.perf_counter() - stall0
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.step = step
+                state.ntokens_seen += tokens_per_step
+                global_loss = loss.detach().clone()
+                if dp_group is not None:
+                    torch_dist.all_reduce(global_loss, group=dp_group)
+                    global_loss /= self.dp
+                stop_here = step == cfg.training.stop_at_step
+                stall0 = time.perf_counter()
+                saved = self.checkpoint.save(
+                    step, last_step=step == cfg.training.steps, force=stop_here
+                )
+                stall += time.perf_counter() - stall0
+                metrics.write(
+                    {
+                        "step": step,
+                        "loss": global_loss.item(),
+                        "lr": lr,
+                        "grad_norm": grad_norm,
+                        "tokens_seen": state.ntokens_seen,
+                        "world_size": self.world,
+                        "checkpoint_stall_s": stall,
+                        "checkpoint_saved": saved,
+                        "step_time_s": time.perf_counter() - t0,
+                    }
+                )
+                if stop_here:
+                    logger.info("stopping after step %d (training.stop_at_step)", step)
+                    break
+        finally:
+            self.checkpoint.close()
+            metrics.close()
+        return state.step
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = load_config(argv)
-        train(cfg)
+        Trainer(cfg).fit()
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
         if dist.rank() == 0:
             print(f"error: {e}", file=sys.stderr)

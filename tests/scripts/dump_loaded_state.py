@@ -1,0 +1,47 @@
+"""Under torchrun: build the trainer at this world size, load a checkpoint, and write the full
+(unsharded) model and optimizer state plus the other restored state to one file (rank 0)."""
+
+import sys
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+from dcpkit import dist
+from dcpkit.train.config import load_config
+from dcpkit.train.trainer import Trainer
+
+
+def main() -> None:
+    out = sys.argv[1]
+    trainer = Trainer(load_config(sys.argv[2:]))
+    step = trainer.checkpoint.load()
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(trainer.model, options=full)
+    opt_sd = get_optimizer_state_dict(
+        trainer.model,
+        trainer.optimizer,
+        options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True
+        ),
+    )
+    if dist.rank() == 0:
+        torch.save(
+            {
+                "step": step,
+                "model": model_sd,
+                "optimizer": opt_sd,
+                "train_state": trainer.state.state_dict(),
+                "dataloader": trainer.loader.state_dict(),
+                "lr_scheduler": trainer.scheduler.state_dict(),
+            },
+            out,
+        )
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

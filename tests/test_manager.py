@@ -1,0 +1,231 @@
+"""CheckpointManager in one process: what it saves, restores, refuses, and leaves on disk."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager, ConfigError, layout
+from dcpkit.models import build_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+def _setup(seed=0):
+    torch.manual_seed(seed)
+    model = build_model("llama3", "debugmodel", max_seq_len=32, n_layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    return model, opt, sched, Counter()
+
+
+def _train(model, opt, sched, counter, steps, mgr=None):
+    tokens = torch.randint(0, 2048, (2, 17), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        counter.step += 1
+        if mgr is not None:
+            mgr.save(counter.step)
+
+
+def _manager(tmp_path, model, opt, sched, counter, **cfg):
+    config = CheckpointConfig(enable=True, **cfg)
+    return CheckpointManager(config, tmp_path, model, opt, sched, states={"train_state": counter})
+
+
+def test_round_trip_restores_everything(tmp_path):
+    model, opt, sched, counter = _setup()
+    mgr = _manager(tmp_path, model, opt, sched, counter, interval=3)
+    _train(model, opt, sched, counter, 3, mgr)
+    expected_rand = (random.random(), np.random.rand(), torch.rand(3))
+
+    model2, opt2, sched2, counter2 = _setup(seed=1)
+    mgr2 = _manager(tmp_path, model2, opt2, sched2, counter2, interval=3)
+    assert mgr2.load() == 3
+    assert counter2.step == 3
+    assert sched2.last_epoch == 3 and sched2.get_last_lr() == sched.get_last_lr()
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), k
+    for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]) and torch.equal(a["step"], b["step"])
+    # The RNG streams continue exactly where the save left them.
+    assert (random.random(), np.random.rand()) == expected_rand[:2]
+    assert torch.equal(torch.rand(3), expected_rand[2])
+    # Both continue identically.
+    _train(model, opt, sched, counter, 2)
+    _train(model2, opt2, sched2, counter2, 2)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_layout_is_torchtitans(tmp_path):
+    model, opt, sched, counter = _setup()
+    mgr = _manager(tmp_path, model, opt, sched, counter, interval=1)
+    _train(model, opt, sched, counter, 1, mgr)
+    keys = set(
+        FileSystemReader(str(tmp_path / "checkpoint" / "step-1"))
+        .read_metadata()
+        .state_dict_metadata
+    )
+    assert "tok_embeddings.weight" in keys and "layers.1.feed_forward.w2.weight" in keys
+    assert "optimizer.state.tok_embeddings.weight.exp_avg" in keys
+    assert "train_state.step" in keys and "rng.rank_0" in keys
+    assert any(k.startswith("lr_scheduler.") for k in keys)
+    assert not any(k.startswith("model.") for k in keys)
+
+
+def test_exclude_from_loading(tmp_path):
+    model, opt, sched, counter = _setup()
+    _train(
+        model, opt, sched, counter, 2, _manager(tmp_path, model, opt, sched, counter, interval=2)
+    )
+    model2, opt2, sched2, counter2 = _setup(seed=1)
+    mgr2 = _manager(
+        tmp_path, model2, opt2, sched2, counter2, exclude_from_loading=["optimizer", "train_state"]
+    )
+    mgr2.load()
+    assert counter2.step == 0 and opt2.state_dict()["state"] == {}
+    assert torch.equal(model.output.weight, model2.output.weight)
+    with pytest.raises(ConfigError, match="'nothing'.*known state keys: model, optimizer"):
+        _manager(tmp_path, model2, opt2, sched2, counter2, exclude_from_loading=["nothing"])
+
+
+def test_load_step(tmp_path):
+    model, opt, sched, counter = _setup()
+    mgr = _manager(tmp_path, model, opt, sched, counter, interval=2)
+    _train(model, opt, sched, counter, 4, mgr)
+    assert layout.published_steps(tmp_path / "checkpoint") == [2, 4]
+    model2, opt2, sched2, counter2 = _setup()
+    assert _manager(tmp_path, model2, opt2, sched2, counter2, load_step=2).load() == 2
+    assert counter2.step == 2
+    with pytest.raises(ConfigError, match=r"load_step = 3.*published steps: 2, 4"):
+        _manager(tmp_path, model2, opt2, sched2, counter2, load_step=3).load()
+
+
+def test_when_it_saves():
+    cfg = CheckpointConfig(enable=True, interval=5, enable_first_step_checkpoint=True)
+    model = build_model("llama3", "debugmodel", max_seq_len=8, n_layers=1)
+    mgr = CheckpointManager(cfg, "/nonexistent-base", model)
+    assert [s for s in range(1, 13) if mgr.should_save(s, last_step=s == 12)] == [1, 5, 10, 12]
+    off = CheckpointManager(CheckpointConfig(enable=True, load_only=True), "/x", model)
+    assert not any(off.should_save(s, last_step=True) for s in range(1, 10))
+    disabled = CheckpointManager(CheckpointConfig(), "/x", model)
+    assert not disabled.should_save(500) and disabled.load() is None
+
+
+def test_last_save_is_model_only_in_export_dtype(tmp_path):
+    model, opt, sched, counter = _setup()
+    mgr = _manager(tmp_path, model, opt, sched, counter, interval=100, export_dtype="bfloat16")
+    _train(model, opt, sched, counter, 2)
+    assert mgr.save(2, last_step=True)
+    ckpt = tmp_path / "checkpoint" / "step-2"
+    meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    assert set(meta) == set(model.state_dict())
+    assert all(m.properties.dtype == torch.bfloat16 for m in meta.values())
+    manifest = layout.read_manifest(ckpt)
+    assert manifest["model_only"] and manifest["dtype"] == "bfloat16"
+    # A fresh fp32 model loads it (the optimizer starts fresh, with a warning).
+    model2, opt2, sched2, counter2 = _setup(seed=1)
+    _manager(tmp_path, model2, opt2, sched2, counter2).load()
+    assert model2.output.weight.dtype == torch.float32
+    assert torch.equal(model2.output.weight, model.output.weight.to(torch.bfloat16).float())
+
+
+def test_initial_load_path_and_seed_checkpoint(tmp_path):
+    model, _, _, _ = _setup()
+    seed_mgr = CheckpointManager(CheckpointConfig(enable=True, folder="seed"), tmp_path, model)
+    seed_path = seed_mgr.save_seed_checkpoint()
+    assert seed_path.name == "step-0"
+    # A new run with an empty folder starts from the seed; the model only.
+    model2, opt2, sched2, counter2 = _setup(seed=5)
+    mgr = _manager(
+        tmp_path / "run", model2, opt2, sched2, counter2, initial_load_path=str(seed_path)
+    )
+    assert mgr.load() is None  # not a step of this run's folder
+    assert torch.equal(model2.norm.weight, model.norm.weight)
+    assert torch.equal(model2.output.weight, model.output.weight)
+    assert counter2.step == 0
+    with pytest.raises(ConfigError, match="initial_load_path"):
+        _manager(tmp_path / "run2", *_setup(), initial_load_path=str(tmp_path / "nope")).load()
+
+
+def test_missing_parameters_are_named(tmp_path):
+    model, opt, sched, counter = _setup()
+    _train(
+        model, opt, sched, counter, 1, _manager(tmp_path, model, opt, sched, counter, interval=1)
+    )
+    bigger = build_model("llama3", "debugmodel", max_seq_len=32, n_layers=3)
+    mgr = CheckpointManager(CheckpointConfig(enable=True), tmp_path, bigger)
+    with pytest.raises(CheckpointError, match=r"layers\.2\.attention\.wq\.weight"):
+        mgr.load()
+
+
+def test_retention_and_leftovers(tmp_path):
+    model, opt, sched, counter = _setup()
+    folder = tmp_path / "checkpoint"
+    (folder / ".tmp-step-99").mkdir(parents=True)
+    (folder / ".tmp-step-99" / "__0_0.distcp").write_bytes(b"partial")
+    (folder / "step-50").mkdir()  # a step folder without metadata: never picked
+    mgr = _manager(tmp_path, model, opt, sched, counter, interval=1, keep_latest_k=2)
+    assert layout.leftovers(folder) == []  # cleaned when the manager starts
+    _train(model, opt, sched, counter, 4, mgr)
+    assert layout.published_steps(folder) == [3, 4]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
+
+
+def test_async_modes_are_refused_for_now(tmp_path):
+    model = build_model("llama3", "debugmodel", max_seq_len=8, n_layers=1)
+    with pytest.raises(ConfigError, match="async_mode = 'async'"):
+        CheckpointManager(CheckpointConfig(enable=True, async_mode="ASYNC"), tmp_path, model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"keep_latest_k": 1}, "keep_latest_k = 1"),
+        ({"interval": 0}, "interval must be >= 1"),
+        ({"async_mode": "later"}, "async_mode 'later'"),
+        ({"export_dtype": "int8"}, "export_dtype 'int8'"),
+        ({"folder": " "}, "folder must not be empty"),
+        ({"last_save_in_hf": True, "last_save_model_only": False}, "last_save_in_hf"),
+        ({"load_step": -2}, "load_step"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        CheckpointConfig(**kwargs)
+
+
+def test_config_from_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[checkpoint]\nenable = true\ninterval = 7\nasync_mode = "DISABLED"\n')
+    cfg = CheckpointConfig.from_toml(path)
+    assert (cfg.enable, cfg.interval, cfg.async_mode, cfg.keep_latest_k) == (
+        True,
+        7,
+        "disabled",
+        10,
+    )
+    path.write_text("[checkpoint]\nintervall = 7\n")
+    with pytest.raises(ConfigError, match=r"unknown option \[checkpoint\] intervall"):
+        CheckpointConfig.from_toml(path)

@@ -1,0 +1,75 @@
+"""Bad configuration stops the trainer at start with a message naming the option."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CONFIG, copy_checkpoint, torchrun_env
+
+
+def _train(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dcpkit.train", "--job.config_file", str(CONFIG), *args],
+        env=torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--bogus.option", "1"], "unknown section [bogus]"),
+        (["--training.nonsense", "1"], "unknown option [training] nonsense"),
+        (["--checkpoint.keep_latest_k", "1"], "[checkpoint] keep_latest_k = 1"),
+        (["--checkpoint.keep_latest_k", "-3"], "[checkpoint] keep_latest_k = -3"),
+        (["--checkpoint.interval", "0"], "[checkpoint] interval"),
+        (["--checkpoint.async_mode", "sometimes"], "[checkpoint] async_mode 'sometimes'"),
+        (["--checkpoint.exclude_from_loading", "model"], "exclude_from_loading may not contain"),
+        (["--checkpoint.enable", "maybe"], "[checkpoint] enable must be true or false"),
+        (["--parallelism.data_parallel_shard_degree", "2"], "data_parallel_shard_degree (2)"),
+        (["--parallelism.tensor_parallel_degree", "3"], "tensor_parallel_degree = 3"),
+        (["--training.global_batch_size", "0"], "[training] global_batch_size must be >= 1"),
+    ],
+)
+def test_bad_option_is_named(tmp_path, args, expected):
+    proc = _train("--job.dump_folder", str(tmp_path), *args)
+    assert proc.returncode != 0
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_exclude_from_loading_key(tmp_path):
+    proc = _train(
+        "--job.dump_folder", str(tmp_path), "--checkpoint.exclude_from_loading", "optimizer,weather"
+    )
+    assert proc.returncode != 0
+    assert "[checkpoint] exclude_from_loading names 'weather'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_load_step(tmp_path, stopped_run):
+    copy_checkpoint(stopped_run, 10, tmp_path)
+    proc = _train("--job.dump_folder", str(tmp_path), "--checkpoint.load_step", "7")
+    assert proc.returncode != 0
+    assert "[checkpoint] load_step = 7" in proc.stderr
+    assert "published steps: 10" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_toml_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[checkpoint]\ninterval = \n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcpkit.train", "--job.config_file", str(bad)],
+        env=torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "is not valid TOML" in proc.stderr
