@@ -106,7 +106,7 @@ def test_exclude_from_loading(tmp_path):
     mgr2.load()
     assert counter2.step == 0 and opt2.state_dict()["state"] == {}
     assert torch.equal(model.output.weight, model2.output.weight)
-    with pytest.raises(ConfigError, match="'nothing'.*known state keys: model, optimizer"):
+    with pytest.raises(ConfigError, match=r"'nothing'.*known state keys: model, optimizer"):
         _manager(tmp_path, model2, opt2, sched2, counter2, exclude_from_loading=["nothing"])
 
 
