@@ -35,12 +35,15 @@ def temp_dir(folder: str | Path, step: int) -> Path:
     return Path(folder) / f"{TEMP_PREFIX}{step}"
 
 
+def is_hf(path: str | Path) -> bool:
+    """A Hugging Face safetensors folder (an index, or a single ``model.safetensors``)."""
+    p = Path(path)
+    return (p / HF_INDEX).is_file() or (p / "model.safetensors").is_file()
+
+
 def is_complete(path: str | Path) -> bool:
     """A folder that holds a loadable checkpoint: DCP metadata, or an HF export's index/file."""
-    p = Path(path)
-    return (
-        (p / METADATA).is_file() or (p / HF_INDEX).is_file() or (p / "model.safetensors").is_file()
-    )
+    return (Path(path) / METADATA).is_file() or is_hf(path)
 
 
 def published_steps(folder: str | Path) -> list[int]:
@@ -111,8 +114,8 @@ def write_json_durably(path: Path, data: dict[str, Any]) -> None:
 
 def publish(tmp: Path, final: Path) -> None:
     """Make ``tmp`` visible as ``final`` in one rename (replacing an older ``final``)."""
-    if not (tmp / METADATA).is_file():
-        raise RuntimeError(f"refusing to publish {tmp}: it has no {METADATA}")
+    if not is_complete(tmp):
+        raise RuntimeError(f"refusing to publish {tmp}: it holds no complete checkpoint")
     _fsync_dir(tmp)
     old = None
     if final.exists():

@@ -9,6 +9,7 @@ Load path: the latest published step (or ``load_step``) -> a template of the cur
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from dcpkit import dist, failpoints, layout
 from dcpkit.config import CheckpointConfig, ConfigError
-from dcpkit.integrity import CHECKSUM_ALGORITHM, describe_files, rank_files
+from dcpkit.integrity import build_manifest, describe_files, rank_files
 from dcpkit.states import (
     DATALOADER,
     LR_SCHEDULER,
@@ -42,11 +43,19 @@ from dcpkit.states import (
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-MANIFEST_FORMAT = "dcpkit-checkpoint/1"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message says which one and why."""
+
+
+@dataclass
+class HFModel:
+    """What Hugging Face I/O needs to know about the model: family, args, tokenizer to ship."""
+
+    family: str
+    args: Any
+    tokenizer: str | None = None
 
 
 @dataclass
@@ -91,8 +100,10 @@ class CheckpointManager:
         dataloader: Stateful | None = None,
         states: dict[str, Stateful] | None = None,
         save_rng: bool = True,
+        hf_model: HFModel | None = None,
     ) -> None:
         self.config = config
+        self.hf_model = hf_model
         folder = Path(config.folder)
         self.folder = folder if folder.is_absolute() else Path(base_folder) / folder
         self.model = ModelState(model)
@@ -143,11 +154,10 @@ class CheckpointManager:
                 f"[checkpoint] async_mode = {cfg.async_mode!r} is not available in this version: "
                 "asynchronous saves come with the async checkpointing work; use 'disabled'"
             )
-        if cfg.initial_load_in_hf or cfg.last_save_in_hf:
+        if (cfg.initial_load_in_hf or cfg.last_save_in_hf) and self.hf_model is None:
             raise ConfigError(
-                "[checkpoint] initial_load_in_hf / last_save_in_hf are not available in this "
-                "version: Hugging Face I/O comes with the conversion work; convert with "
-                "`dcpkit` instead"
+                "[checkpoint] initial_load_in_hf / last_save_in_hf need to know the model family: "
+                "pass hf_model=HFModel(family, flavor_args) to CheckpointManager"
             )
 
     # ------------------------------------------------------------------ load
@@ -186,7 +196,19 @@ class CheckpointManager:
             )
         if cfg.initial_load_path:
             path = Path(cfg.initial_load_path)
-            if not layout.is_complete(path):
+            if cfg.initial_load_in_hf and not layout.is_hf(path):
+                return LoadPlan(
+                    None,
+                    None,
+                    False,
+                    "",
+                    error=(
+                        f"[checkpoint] initial_load_path {str(path)!r} holds no Hugging Face "
+                        "safetensors (model.safetensors or model.safetensors.index.json), and "
+                        "initial_load_in_hf = true"
+                    ),
+                )
+            if not cfg.initial_load_in_hf and not (path / layout.METADATA).is_file():
                 return LoadPlan(
                     None,
                     None,
@@ -234,6 +256,9 @@ class CheckpointManager:
         Returns the names of the state pieces restored.
         """
         path = Path(path)
+        if layout.is_hf(path) and not (path / layout.METADATA).is_file():
+            self._load_hf(path)
+            return [MODEL]
         try:
             metadata = FileSystemReader(str(path)).read_metadata()
         except FileNotFoundError:
@@ -286,6 +311,36 @@ class CheckpointManager:
             restored.append(RNG)
         return restored
 
+    def _load_hf(self, path: Path) -> None:
+        """Load model weights from a Hugging Face folder, one parameter at a time."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from dcpkit.convert.adapters import get_adapter
+        from dcpkit.convert.safetensors_io import SafetensorsFolder
+
+        if self.hf_model is None:
+            raise CheckpointError(
+                f"{path} is a Hugging Face folder; loading it needs hf_model=HFModel(...)"
+            )
+        adapter = get_adapter(self.hf_model.family)
+        args = self.hf_model.args
+        folder = SafetensorsFolder(path)
+        plan = adapter.plan_from_hf(
+            {k: folder.shape(k) for k in folder.names()},
+            args,
+            adapter.flavor_name(args) or "custom",
+            str(path),
+        )
+        wanted = set(self.model.state_dict())
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        for hf, canon, tf in plan.pairs:
+            if canon not in wanted:
+                raise CheckpointError(f"{path}: {hf} maps to {canon}, which this model lacks")
+            t = folder.read(hf)
+            t = tf.from_hf(t) if tf is not None else t
+            for part in self.model.parts:
+                set_model_state_dict(part, {canon: t}, options=options)
+
     def _plan_rng(self, saved: set[str], path: Path) -> tuple[int, int] | None:
         saved_ranks = sorted(int(k.split("_")[-1]) for k in saved if k.startswith(f"{RNG}.rank_"))
         if not saved_ranks:
@@ -335,7 +390,10 @@ class CheckpointManager:
         model_only = last_step and self.config.last_save_model_only
         state = self.collect(model_only=model_only)
         start = time.perf_counter()
-        self._write(state, step, model_only)
+        if model_only and self.config.last_save_in_hf:
+            self._write_hf(state, step)
+        else:
+            self._write(state, step, model_only)
         self.last_saved_step = step
         logger.info(
             "checkpoint: saved step %d%s to %s in %.2fs",
@@ -387,9 +445,15 @@ class CheckpointManager:
                 all_files.update(part)
             all_files.update(describe_files(tmp, [layout.METADATA]))
             groups = [MODEL] if model_only else self.state_names()
-            layout.write_json_durably(
-                tmp / layout.MANIFEST, self._manifest(step, groups, all_files)
+            manifest = build_manifest(
+                step,
+                self.world_size,
+                groups,
+                all_files,
+                dtype=self.config.export_dtype if model_only else None,
+                mesh=self._mesh_info(),
             )
+            layout.write_json_durably(tmp / layout.MANIFEST, manifest)
             failpoints.hit("before_publish", step, self.rank)
             layout.publish(tmp, final)
             failpoints.hit("after_publish", step, self.rank)
@@ -398,23 +462,43 @@ class CheckpointManager:
                 logger.info("checkpoint: retention removed step %s", ", ".join(map(str, removed)))
         dist.barrier()
 
-    def _manifest(self, step: int, groups: list[str], files: dict[str, Any]) -> dict[str, Any]:
-        from dcpkit import __version__
+    def _write_hf(self, state: dict[str, Any], step: int) -> None:
+        """The last save as Hugging Face safetensors: a model-only DCP save into a temporary
+        folder, converted (streaming) by rank 0, then published like any other step."""
+        from dcpkit.convert.hf import to_hf
 
-        return {
-            "format": MANIFEST_FORMAT,
-            "step": step,
-            "world_size": self.world_size,
-            "mesh": self._mesh_info(),
-            "groups": groups,
-            "model_only": groups == [MODEL],
-            "dtype": self.config.export_dtype if groups == [MODEL] else None,
-            "checksum": CHECKSUM_ALGORITHM,
-            "files": files,
-            "dcpkit_version": __version__,
-            "torch_version": torch.__version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
+        assert self.hf_model is not None
+        staging = layout.temp_dir(self.folder, step).with_name(f"{layout.TEMP_PREFIX}{step}-dcp")
+        tmp = layout.temp_dir(self.folder, step)
+        if self.rank == 0:
+            layout.clean_leftovers(self.folder)
+            staging.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dcp.save(state, storage_writer=_StepWriter(staging, step), no_dist=not dist.is_dist())
+        if self.rank == 0:
+            to_hf(
+                staging,
+                tmp,
+                self.hf_model.family,
+                self.hf_model.args,
+                tokenizer=self.hf_model.tokenizer,
+                force=True,
+            )
+            files = sorted(p.name for p in tmp.iterdir())
+            manifest = build_manifest(
+                step,
+                self.world_size,
+                [MODEL],
+                describe_files(tmp, files),
+                dtype=self.config.export_dtype,
+                mesh=self._mesh_info(),
+                source="hf",
+            )
+            layout.write_json_durably(tmp / layout.MANIFEST, manifest)
+            layout.publish(tmp, layout.step_dir(self.folder, step))
+            shutil.rmtree(staging, ignore_errors=True)
+            layout.apply_retention(self.folder, self.config.keep_latest_k)
+        dist.barrier()
 
     def _mesh_info(self) -> dict[str, Any] | None:
         from torch.distributed.tensor import DTensor

@@ -44,6 +44,8 @@ class Llama3Args:
     """Positions for which RoPE frequencies are precomputed."""
     tie_word_embeddings: bool = False
     """Share the output projection with the token embedding."""
+    hidden_dim: int | None = None
+    """Explicit FFN hidden size (for imported models); None applies the rule above."""
 
     @property
     def kv_heads(self) -> int:
@@ -55,6 +57,8 @@ class Llama3Args:
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.hidden_dim is not None:
+            return self.hidden_dim
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)

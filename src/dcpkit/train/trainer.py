@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from dcpkit import dist
 from dcpkit.config import ConfigError
-from dcpkit.manager import CheckpointError, CheckpointManager
-from dcpkit.models import build_model
+from dcpkit.manager import CheckpointError, CheckpointManager, HFModel
+from dcpkit.models import build_model, flavors
 from dcpkit.train.config import TrainConfig, load_config
 from dcpkit.train.data import GlobalBatchLoader, TokenSamples, prepare_corpus
 from dcpkit.train.grad import clip_grad_norm_
@@ -152,8 +152,13 @@ class Trainer:
             self.device.type,
         )
         self.model = model
+        hf_model = HFModel(
+            cfg.model.name,
+            flavors(cfg.model.name)[cfg.model.flavor],
+            tokenizer=str(self.dump / "tokenizer.json"),
+        )
         if ck.create_seed_checkpoint:
-            self.checkpoint = CheckpointManager(ck, self.dump, model)
+            self.checkpoint = CheckpointManager(ck, self.dump, model, hf_model=hf_model)
             return
         corpus = _prepare_data(cfg, model.args.vocab_size, self.rank)
         if self.rank == 0:
@@ -186,6 +191,7 @@ class Trainer:
             lr_scheduler=self.scheduler,
             dataloader=self.loader,
             states={"train_state": self.state},
+            hf_model=hf_model,
         )
 
     def fit(self) -> int:

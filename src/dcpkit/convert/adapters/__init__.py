@@ -1,0 +1,32 @@
+"""Model-family adapters, in a registry keyed by family name."""
+
+from __future__ import annotations
+
+from dcpkit.convert.adapters.base import ConversionError, KeyPlan, ModelAdapter, RopePermute
+from dcpkit.convert.adapters.llama3 import Llama3Adapter
+from dcpkit.convert.adapters.qwen3 import Qwen3Adapter
+
+_ADAPTERS: dict[str, ModelAdapter] = {a.family: a for a in (Llama3Adapter(), Qwen3Adapter())}
+
+
+def get_adapter(family: str) -> ModelAdapter:
+    try:
+        return _ADAPTERS[family]
+    except KeyError:
+        raise ConversionError(
+            f"unknown model family {family!r}; known families: {', '.join(sorted(_ADAPTERS))}"
+        ) from None
+
+
+def known_families() -> list[str]:
+    return sorted(_ADAPTERS)
+
+
+__all__ = [
+    "ConversionError",
+    "KeyPlan",
+    "ModelAdapter",
+    "RopePermute",
+    "get_adapter",
+    "known_families",
+]

@@ -1,0 +1,205 @@
+"""The contract of a model-family adapter, and the engine that applies its key map.
+
+A family file holds data (its key map, the other spellings TorchTitan has used, its flavors) and
+its tensor transforms; the mapping, validation and error messages live here, once.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+class ConversionError(ValueError):
+    """A checkpoint cannot be converted as asked; the message names the key or option."""
+
+
+@dataclass(frozen=True)
+class RopePermute:
+    """TorchTitan's interleaved RoPE rows -> HF's rotate-half rows, per head (and back).
+
+    Row-local: any block of whole heads can be permuted on its own.
+    """
+
+    head_dim: int
+
+    @property
+    def row_block(self) -> int:
+        return self.head_dim
+
+    def to_hf(self, w: torch.Tensor) -> torch.Tensor:
+        n = w.shape[0] // self.head_dim
+        return w.reshape(n, self.head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+    def from_hf(self, w: torch.Tensor) -> torch.Tensor:
+        n = w.shape[0] // self.head_dim
+        return w.reshape(n, 2, self.head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+
+
+def _fill(pattern: str, match: re.Match[str]) -> str:
+    return pattern.replace("{i}", match.group("i")) if "{i}" in pattern else pattern
+
+
+@dataclass
+class KeyPlan:
+    """How source keys become destination keys for one conversion."""
+
+    pairs: list[tuple[str, str, Any]]  # (source key, destination key, transform or None)
+    dropped: list[tuple[str, str]]  # (source key, why)
+
+
+class ModelAdapter(ABC):
+    """One model family: TorchTitan names <-> Hugging Face names, transforms, config.json."""
+
+    family: ClassVar[str]
+    key_map: ClassVar[dict[str, str]]
+    """Canonical TorchTitan key pattern -> HF key pattern (``{i}`` is the layer index)."""
+    aliases: ClassVar[dict[str, str]] = {}
+    """Other TorchTitan spellings -> canonical pattern (e.g. 0.3.0's ``qkv_linear.wq``)."""
+    hf_ignored: ClassVar[tuple[str, ...]] = ()
+    """HF key patterns dropped on purpose when importing (e.g. rotary buffers)."""
+    flavors: ClassVar[dict[str, Any]]
+
+    def __init__(self) -> None:
+        self._to_hf = [(_compile(k), v, k) for k, v in self.key_map.items()]
+        self._from_hf = [(_compile(v), k) for k, v in self.key_map.items()]
+        self._aliases = [(_compile(k), v) for k, v in self.aliases.items()]
+        self._ignored = [_compile(p) for p in self.hf_ignored]
+
+    # -- what a family provides
+
+    @abstractmethod
+    def args_from_hf_config(self, config: dict[str, Any]) -> Any:
+        """Model args from an HF ``config.json``."""
+
+    @abstractmethod
+    def hf_config(self, args: Any, dtype: torch.dtype, bos: int | None, eos: int | None) -> dict:
+        """An HF ``config.json`` for ``args``."""
+
+    @abstractmethod
+    def expected_shapes(self, args: Any) -> dict[str, tuple[int, ...]]:
+        """Canonical TorchTitan key -> shape, for every parameter of ``args``."""
+
+    def transform(self, canonical_key: str, args: Any) -> Any:
+        """The transform for a canonical key (``to_hf`` / ``from_hf`` / ``row_block``), or None."""
+        return None
+
+    # -- flavors
+
+    def resolve_flavor(self, flavor: str) -> Any:
+        try:
+            return self.flavors[flavor]
+        except KeyError:
+            raise ConversionError(
+                f"unknown {self.family} flavor {flavor!r}; known flavors: {', '.join(self.flavors)}"
+            ) from None
+
+    def flavor_name(self, args: Any) -> str | None:
+        for name, known in self.flavors.items():
+            if known == args:
+                return name
+        return None
+
+    # -- the engine
+
+    def canonical(self, key: str) -> str:
+        """A TorchTitan key in its canonical spelling (other dialects and ``model.`` mapped)."""
+        if key.startswith("model.") and not any(r.match(key) for r, _, _ in self._to_hf):
+            key = key[len("model.") :]
+        for regex, target in self._aliases:
+            m = regex.match(key)
+            if m:
+                return _fill(target, m)
+        return key
+
+    def to_hf_key(self, canonical: str) -> str | None:
+        for regex, target, _ in self._to_hf:
+            m = regex.match(canonical)
+            if m:
+                return _fill(target, m)
+        return None
+
+    def from_hf_key(self, hf_key: str) -> str | None:
+        for regex, target in self._from_hf:
+            m = regex.match(hf_key)
+            if m:
+                return _fill(target, m)
+        return None
+
+    def _check_shapes(
+        self, args: Any, shapes: dict[str, tuple[int, ...]], where: str, flavor: str
+    ) -> None:
+        expected = self.expected_shapes(args)
+        missing = sorted(set(expected) - set(shapes))
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ConversionError(
+                f"{where} lacks {len(missing)} {self.family} {flavor} parameter(s): "
+                f"{', '.join(missing[:5])}{more}; is the flavor right?"
+            )
+        for key, shape in shapes.items():
+            if key in expected and tuple(shape) != tuple(expected[key]):
+                raise ConversionError(
+                    f"{key} in {where} has shape {list(shape)}, but {self.family} flavor "
+                    f"{flavor} expects {list(expected[key])}; pass the flavor the checkpoint "
+                    "was trained with"
+                )
+
+    def plan_to_hf(
+        self, shapes: dict[str, tuple[int, ...]], args: Any, flavor: str, where: str
+    ) -> KeyPlan:
+        """Source (TorchTitan) keys with their shapes -> HF keys; errors name every problem."""
+        canon = {}
+        for key in shapes:
+            c = self.canonical(key)
+            if c in canon:
+                raise ConversionError(f"{where} holds {c} twice (as {canon[c]} and {key})")
+            canon[c] = key
+        self._check_shapes(args, {c: shapes[k] for c, k in canon.items()}, where, flavor)
+        pairs, dropped = [], []
+        for c, key in canon.items():
+            if c == "output.weight" and getattr(args, "tie_word_embeddings", False):
+                dropped.append((key, "tied to tok_embeddings.weight (HF omits lm_head)"))
+                continue
+            hf = self.to_hf_key(c)
+            if hf is None:
+                raise ConversionError(
+                    f"{key} in {where} has no Hugging Face name in the {self.family} key map "
+                    "(direction: TorchTitan -> HF); is this checkpoint of another model family?"
+                )
+            pairs.append((key, hf, self.transform(c, args)))
+        return KeyPlan(pairs, dropped)
+
+    def plan_from_hf(
+        self, shapes: dict[str, tuple[int, ...]], args: Any, flavor: str, where: str
+    ) -> KeyPlan:
+        """HF keys with their shapes -> canonical TorchTitan keys."""
+        pairs, dropped, seen = [], [], {}
+        for hf in shapes:
+            if any(r.match(hf) for r in self._ignored):
+                dropped.append((hf, "not a parameter (recomputed by the model)"))
+                continue
+            c = self.from_hf_key(hf)
+            if c is None:
+                raise ConversionError(
+                    f"{hf} in {where} has no TorchTitan name in the {self.family} key map "
+                    "(direction: HF -> TorchTitan); is this folder of another model family?"
+                )
+            if c == "output.weight" and getattr(args, "tie_word_embeddings", False):
+                dropped.append((hf, "tied embeddings: output.weight is taken from embed_tokens"))
+                continue
+            seen[c] = hf
+            pairs.append((hf, c, self.transform(c, args)))
+        if getattr(args, "tie_word_embeddings", False) and "tok_embeddings.weight" in seen:
+            pairs.append((seen["tok_embeddings.weight"], "output.weight", None))
+            seen["output.weight"] = seen["tok_embeddings.weight"]
+        self._check_shapes(args, {c: shapes[h] for c, h in seen.items()}, where, flavor)
+        return KeyPlan(pairs, dropped)

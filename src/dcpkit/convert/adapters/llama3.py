@@ -1,0 +1,160 @@
+"""Llama 3: TorchTitan <-> Hugging Face ``LlamaForCausalLM``."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from dcpkit.convert.adapters.base import ConversionError, ModelAdapter, RopePermute
+from dcpkit.models.llama3 import LLAMA3_FLAVORS, Llama3Args, rope_scaling_dict
+
+
+class Llama3Adapter(ModelAdapter):
+    family = "llama3"
+    key_map: ClassVar[dict[str, str]] = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
+        "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
+        "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
+        "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+        "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+        "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+        "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+        "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+        "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    aliases: ClassVar[dict[str, str]] = {
+        "layers.{i}.attention.qkv_linear.wq.weight": "layers.{i}.attention.wq.weight",
+        "layers.{i}.attention.qkv_linear.wk.weight": "layers.{i}.attention.wk.weight",
+        "layers.{i}.attention.qkv_linear.wv.weight": "layers.{i}.attention.wv.weight",
+        "lm_head.weight": "output.weight",
+    }
+    hf_ignored = ("model.layers.{i}.self_attn.rotary_emb.inv_freq",)
+    flavors = LLAMA3_FLAVORS
+
+    def transform(self, canonical_key: str, args: Llama3Args) -> Any:
+        if canonical_key.endswith((".attention.wq.weight", ".attention.wk.weight")):
+            return RopePermute(args.head_dim)
+        return None
+
+    def expected_shapes(self, args: Llama3Args) -> dict[str, tuple[int, ...]]:
+        d, hd, ffn = args.dim, args.head_dim, args.ffn_hidden_dim
+        shapes = {
+            "tok_embeddings.weight": (args.vocab_size, d),
+            "norm.weight": (d,),
+            "output.weight": (args.vocab_size, d),
+        }
+        for i in range(args.n_layers):
+            p = f"layers.{i}."
+            shapes.update(
+                {
+                    p + "attention.wq.weight": (args.n_heads * hd, d),
+                    p + "attention.wk.weight": (args.kv_heads * hd, d),
+                    p + "attention.wv.weight": (args.kv_heads * hd, d),
+                    p + "attention.wo.weight": (d, args.n_heads * hd),
+                    p + "feed_forward.w1.weight": (ffn, d),
+                    p + "feed_forward.w2.weight": (d, ffn),
+                    p + "feed_forward.w3.weight": (ffn, d),
+                    p + "attention_norm.weight": (d,),
+                    p + "ffn_norm.weight": (d,),
+                }
+            )
+        return shapes
+
+    def hf_config(
+        self, args: Llama3Args, dtype: torch.dtype, bos: int | None, eos: int | None
+    ) -> dict:
+        dtype_name = str(dtype).removeprefix("torch.")
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": args.dim,
+            "intermediate_size": args.ffn_hidden_dim,
+            "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "vocab_size": args.vocab_size,
+            "rms_norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta,
+            "rope_scaling": {"rope_type": "llama3", **rope_scaling_dict()}
+            if args.rope_scaling
+            else None,
+            "max_position_embeddings": args.max_seq_len,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "pretraining_tp": 1,
+            "initializer_range": 0.02,
+            "tie_word_embeddings": args.tie_word_embeddings,
+            "use_cache": True,
+            "bos_token_id": bos,
+            "eos_token_id": eos,
+            "torch_dtype": dtype_name,
+            "dtype": dtype_name,
+        }
+
+    def args_from_hf_config(self, config: dict[str, Any]) -> Llama3Args:
+        if config.get("model_type") not in (None, "llama"):
+            raise ConversionError(
+                f"config.json has model_type {config.get('model_type')!r}, not 'llama'; "
+                "use the adapter of that family"
+            )
+        rope = config.get("rope_parameters") or {}
+        scaling = config.get("rope_scaling") or (
+            rope if rope.get("rope_type") == "llama3" else None
+        )
+        if scaling:
+            kind = scaling.get("rope_type") or scaling.get("type")
+            theirs = {k: float(scaling[k]) for k in rope_scaling_dict() if k in scaling}
+            ours = {k: float(v) for k, v in rope_scaling_dict().items()}
+            if kind != "llama3" or theirs != ours:
+                raise ConversionError(
+                    f"config.json rope scaling {scaling} is not Llama 3.1's {ours}; dcpkit's "
+                    "llama3 model implements only that scaling"
+                )
+        dim, heads = config["hidden_size"], config["num_attention_heads"]
+        head_dim = config.get("head_dim") or dim // heads
+        if head_dim != dim // heads:
+            raise ConversionError(
+                f"config.json head_dim {head_dim} differs from hidden_size / num_attention_heads "
+                f"({dim // heads}); dcpkit's llama3 model derives head_dim"
+            )
+        args = Llama3Args(
+            dim=dim,
+            n_layers=config["num_hidden_layers"],
+            n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads", heads),
+            vocab_size=config["vocab_size"],
+            norm_eps=config.get("rms_norm_eps", 1e-5),
+            rope_theta=float(config.get("rope_theta") or rope.get("rope_theta", 500000.0)),
+            rope_scaling=bool(scaling),
+            max_seq_len=config.get("max_position_embeddings", 131072),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            hidden_dim=config["intermediate_size"],
+        )
+        # Prefer the named flavor when the shapes and numerics are one of them.
+        for known in self.flavors.values():
+            if _same_model(known, args):
+                return known
+        return args
+
+
+def _same_model(a: Llama3Args, b: Llama3Args) -> bool:
+    fields = (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "kv_heads",
+        "vocab_size",
+        "ffn_hidden_dim",
+        "norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "tie_word_embeddings",
+    )
+    return all(getattr(a, f) == getattr(b, f) for f in fields)

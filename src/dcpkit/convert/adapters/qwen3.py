@@ -1,0 +1,114 @@
+"""Qwen 3 (dense): TorchTitan <-> Hugging Face ``Qwen3ForCausalLM``. No RoPE permutation:
+TorchTitan's qwen3 already rotates halves, as HF does."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import torch
+
+from dcpkit.convert.adapters.base import ConversionError, ModelAdapter
+from dcpkit.convert.adapters.llama3 import Llama3Adapter
+from dcpkit.models.qwen3 import QWEN3_FLAVORS, Qwen3Args
+
+
+class Qwen3Adapter(ModelAdapter):
+    family = "qwen3"
+    key_map: ClassVar[dict[str, str]] = {
+        **Llama3Adapter.key_map,
+        "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+        "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    }
+    aliases: ClassVar[dict[str, str]] = {
+        **Llama3Adapter.aliases,
+        "layers.{i}.attention.qkv_linear.q_norm.weight": "layers.{i}.attention.q_norm.weight",
+        "layers.{i}.attention.qkv_linear.k_norm.weight": "layers.{i}.attention.k_norm.weight",
+    }
+    hf_ignored = Llama3Adapter.hf_ignored
+    flavors = QWEN3_FLAVORS
+
+    def expected_shapes(self, args: Qwen3Args) -> dict[str, tuple[int, ...]]:
+        d, hd, ffn = args.dim, args.head_dim, args.hidden_dim
+        shapes = {
+            "tok_embeddings.weight": (args.vocab_size, d),
+            "norm.weight": (d,),
+            "output.weight": (args.vocab_size, d),
+        }
+        for i in range(args.n_layers):
+            p = f"layers.{i}."
+            shapes.update(
+                {
+                    p + "attention.wq.weight": (args.n_heads * hd, d),
+                    p + "attention.wk.weight": (args.n_kv_heads * hd, d),
+                    p + "attention.wv.weight": (args.n_kv_heads * hd, d),
+                    p + "attention.wo.weight": (d, args.n_heads * hd),
+                    p + "attention.q_norm.weight": (hd,),
+                    p + "attention.k_norm.weight": (hd,),
+                    p + "feed_forward.w1.weight": (ffn, d),
+                    p + "feed_forward.w2.weight": (d, ffn),
+                    p + "feed_forward.w3.weight": (ffn, d),
+                    p + "attention_norm.weight": (d,),
+                    p + "ffn_norm.weight": (d,),
+                }
+            )
+        return shapes
+
+    def hf_config(
+        self, args: Qwen3Args, dtype: torch.dtype, bos: int | None, eos: int | None
+    ) -> dict:
+        dtype_name = str(dtype).removeprefix("torch.")
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "hidden_size": args.dim,
+            "intermediate_size": args.hidden_dim,
+            "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.n_kv_heads,
+            "head_dim": args.head_dim,
+            "vocab_size": args.vocab_size,
+            "rms_norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": args.max_seq_len,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": args.n_layers,
+            "initializer_range": 0.02,
+            "tie_word_embeddings": args.tie_word_embeddings,
+            "use_cache": True,
+            "bos_token_id": bos,
+            "eos_token_id": eos,
+            "torch_dtype": dtype_name,
+            "dtype": dtype_name,
+        }
+
+    def args_from_hf_config(self, config: dict[str, Any]) -> Qwen3Args:
+        if config.get("model_type") not in (None, "qwen3"):
+            raise ConversionError(
+                f"config.json has model_type {config.get('model_type')!r}, not 'qwen3'; "
+                "use the adapter of that family"
+            )
+        rope = config.get("rope_parameters") or {}
+        args = Qwen3Args(
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=config["num_attention_heads"],
+            n_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+            head_dim=config.get("head_dim")
+            or config["hidden_size"] // config["num_attention_heads"],
+            hidden_dim=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(config.get("rope_theta") or rope.get("rope_theta", 1e6)),
+            max_seq_len=config.get("max_position_embeddings", 40960),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        )
+        for known in self.flavors.values():
+            if replace(known, max_seq_len=args.max_seq_len) == args:
+                return known
+        return args

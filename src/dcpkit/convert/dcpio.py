@@ -1,0 +1,263 @@
+"""DCP checkpoints read chunk by chunk and written tensor by tensor, without holding the model.
+
+Reading uses DCP's own metadata (``.metadata``: every tensor's global shape, dtype and saved
+chunks, and where each chunk's bytes lie) and reads only the chunks, and rows, asked for.
+Writing goes through ``torch.distributed.checkpoint.save`` with a planner that produces each
+tensor only when the writer asks for it, and splits tensors above the memory budget into
+row chunks, as if several ranks had saved them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from dcpkit.convert.torchfile import TorchSaveFile
+
+METADATA = ".metadata"
+
+
+class NotACheckpoint(ValueError):
+    """The path is not a readable DCP checkpoint."""
+
+
+class DCPCheckpoint:
+    """Read access to one DCP checkpoint folder (``.metadata`` + ``*.distcp``)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"{self.path} does not exist")
+        if not self.path.is_dir():
+            raise NotACheckpoint(
+                f"{self.path} is not a folder; a DCP checkpoint is a step-N folder"
+            )
+        if not (self.path / METADATA).is_file():
+            raise NotACheckpoint(
+                f"{self.path} is not a DCP checkpoint: it has no {METADATA} (an interrupted save, "
+                "or a folder that holds checkpoints: pass one step-N folder)"
+            )
+        try:
+            self.metadata = FileSystemReader(str(self.path)).read_metadata()
+        except PermissionError:
+            raise
+        except Exception as e:  # a truncated or foreign .metadata fails inside pickle
+            raise NotACheckpoint(
+                f"{self.path / METADATA} cannot be read ({type(e).__name__}: {e}); the file is "
+                "truncated or corrupt: restore it, or use an earlier step"
+            ) from None
+        self.tensors: dict[str, TensorStorageMetadata] = {}
+        self.objects: list[str] = []
+        for fqn, md in self.metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                self.tensors[fqn] = md
+            elif isinstance(md, BytesStorageMetadata):
+                self.objects.append(fqn)
+        self._files: dict[str, Any] = {}
+
+    # -- description
+
+    def shape(self, fqn: str) -> tuple[int, ...]:
+        return tuple(self.tensors[fqn].size)
+
+    def dtype(self, fqn: str) -> torch.dtype:
+        return self.tensors[fqn].properties.dtype
+
+    def nbytes(self, fqn: str) -> int:
+        md = self.tensors[fqn]
+        n = md.properties.dtype.itemsize
+        for s in md.size:
+            n *= s
+        return n
+
+    def path_of(self, fqn: str) -> tuple[str, ...]:
+        """The nested path DCP flattened into ``fqn`` (for rebuilding nested dicts)."""
+        mapping = self.metadata.planner_data or {}
+        path = mapping.get(fqn)
+        return tuple(str(p) for p in path) if path else tuple(fqn.split("."))
+
+    # -- reading
+
+    def _file(self, relative: str):  # type: ignore[no-untyped-def]
+        f = self._files.get(relative)
+        if f is None:
+            full = self.path / relative
+            if not full.is_file():
+                raise NotACheckpoint(
+                    f"{self.path} is incomplete: {relative}, named in {METADATA}, is missing"
+                )
+            f = self._files[relative] = open(full, "rb")  # noqa: SIM115
+        return f
+
+    def _storage(self, fqn: str, offsets: Any):  # type: ignore[no-untyped-def]
+        info = self.metadata.storage_data[MetadataIndex(fqn, offsets)]
+        if getattr(info, "transform_descriptors", None):
+            raise NotACheckpoint(
+                f"{fqn} is stored with transforms {info.transform_descriptors} (e.g. compression), "
+                "which dcpkit does not read"
+            )
+        return self._file(info.relative_path), info.offset, info.length
+
+    def read(self, fqn: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The whole tensor, or rows ``[start, stop)`` of its first dimension."""
+        md = self.tensors[fqn]
+        shape = list(md.size)
+        if rows is not None:
+            shape[0] = rows[1] - rows[0]
+        out = torch.empty(shape, dtype=md.properties.dtype)
+        for chunk in md.chunks:
+            offsets, sizes = list(chunk.offsets), list(chunk.sizes)
+            local_rows = None
+            if rows is not None:
+                lo, hi = max(rows[0], offsets[0]), min(rows[1], offsets[0] + sizes[0])
+                if lo >= hi:
+                    continue
+                local_rows = (lo - offsets[0], hi - offsets[0])
+                offsets[0], sizes[0] = lo - rows[0], hi - lo
+            f, start, length = self._storage(fqn, chunk.offsets)
+            archive = TorchSaveFile(f, start, length)
+            piece = archive.read(archive.obj, local_rows)
+            index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+            out[index] = piece.view(sizes) if piece.dim() != len(sizes) else piece
+        return out
+
+    def read_object(self, fqn: str) -> Any:
+        """A non-tensor value (stored by DCP as a ``torch.save`` of the object)."""
+        f, start, length = self._storage(fqn, None)
+        f.seek(start)
+        return torch.load(io.BytesIO(f.read(length)), weights_only=False)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> DCPCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+Producer = Callable[[str, "tuple[int, int] | None"], torch.Tensor]
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """Plans from meta tensors; ``resolve_data`` produces each tensor (or row chunk) on demand."""
+
+    def __init__(
+        self,
+        produce: Producer,
+        max_chunk_bytes: int,
+        on_written: Callable[[int], None],
+        row_block: dict[str, int],
+    ) -> None:
+        super().__init__(dedup_save_to_lowest_rank=False)
+        self._produce = produce
+        self._max_chunk_bytes = max_chunk_bytes
+        self._on_written = on_written
+        self._row_block = row_block
+
+    def create_local_plan(self):  # type: ignore[no-untyped-def]
+        plan = super().create_local_plan()
+        items: list[WriteItem] = []
+        for item in plan.items:
+            items.extend(self._split(item))
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def _split(self, item: WriteItem) -> list[WriteItem]:
+        td = item.tensor_data
+        if item.type == WriteItemType.BYTE_IO or td is None or len(td.size) == 0:
+            return [item]
+        nbytes = td.properties.dtype.itemsize
+        for s in td.size:
+            nbytes *= s
+        rows = td.size[0]
+        if nbytes <= self._max_chunk_bytes or rows <= 1:
+            return [item]
+        row_bytes = nbytes // rows
+        block = self._row_block.get(item.index.fqn, 1)
+        step = max(block, (self._max_chunk_bytes // row_bytes) // block * block)
+        out = []
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            offsets = torch.Size([start] + [0] * (len(td.size) - 1))
+            sizes = torch.Size([n, *td.size[1:]])
+            out.append(
+                WriteItem(
+                    index=MetadataIndex(item.index.fqn, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=dataclasses.replace(
+                        td, chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes)
+                    ),
+                )
+            )
+        return out
+
+    def resolve_data(self, write_item: WriteItem):  # type: ignore[no-untyped-def]
+        fqn = write_item.index.fqn
+        if write_item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(self.lookup_object(write_item.index), buf)
+            buf.seek(0)
+            return buf
+        td = write_item.tensor_data
+        rows = None
+        if write_item.type == WriteItemType.SHARD and len(td.size):
+            start = td.chunk.offsets[0]
+            if td.chunk.sizes[0] != td.size[0]:
+                rows = (start, start + td.chunk.sizes[0])
+        tensor = self._produce(fqn, rows).to(td.properties.dtype).contiguous()
+        self._on_written(tensor.numel() * tensor.element_size())
+        return tensor
+
+
+def write_dcp(
+    path: Path,
+    state: dict[str, Any],
+    produce: Producer,
+    max_chunk_bytes: int = 256 << 20,
+    on_written: Callable[[int], None] = lambda n: None,
+    row_block: dict[str, int] | None = None,
+) -> None:
+    """Write a DCP checkpoint (one process) whose tensors come from ``produce(fqn, rows)``.
+
+    ``state`` is the (possibly nested) state dict with meta tensors standing for the real ones
+    and plain values for the rest; ``fqn`` is DCP's dotted key. ``row_block[fqn]`` keeps row
+    chunks a multiple of that many rows (for row-block transforms).
+    """
+    planner = _LazySavePlanner(produce, max_chunk_bytes, on_written, row_block or {})
+    dcp.save(state, storage_writer=FileSystemWriter(str(path)), planner=planner, no_dist=True)
+
+
+def meta_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def nest(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:
+    """``{("a", "b"): v}`` -> ``{"a": {"b": v}}``."""
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out

@@ -1,0 +1,233 @@
+"""Hugging Face safetensors folders, read lazily and written tensor by tensor.
+
+The writer lays out every shard up front (header with each tensor's offsets, then the file
+preallocated), so tensors can be written in any order and in row blocks: memory holds one block.
+Files are the standard format (``safetensors.safe_open`` and ``transformers`` read them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+_DTYPE_CODES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+_CODE_DTYPES.update({"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2})
+
+
+def dtype_from_code(code: str) -> torch.dtype:
+    try:
+        return _CODE_DTYPES[code]
+    except KeyError:
+        raise ValueError(f"safetensors dtype {code} is not supported") from None
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal units, as transformers; ``GiB`` is binary)."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().upper()
+    units = {
+        "KIB": 1 << 10,
+        "MIB": 1 << 20,
+        "GIB": 1 << 30,
+        "TIB": 1 << 40,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "B": 1,
+    }
+    for unit, factor in units.items():
+        if s.endswith(unit):
+            number = s[: -len(unit)].strip()
+            try:
+                return int(float(number) * factor)
+            except ValueError:
+                break
+    try:
+        return int(s)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a size like 5GB, 500MB or 2GiB") from None
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+class SafetensorsFolder:
+    """The tensors of an HF folder: ``model.safetensors`` or shards with an index."""
+
+    def __init__(self, path: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"{self.path} does not exist")
+        if self.path.is_file() and self.path.suffix == ".safetensors":
+            files = {self.path.name: self.path}
+            self.path = self.path.parent
+        elif (self.path / INDEX).is_file():
+            try:
+                index = json.loads((self.path / INDEX).read_text())
+                names = sorted(set(index["weight_map"].values()))
+            except (ValueError, KeyError) as e:
+                raise ValueError(f"{self.path / INDEX} is not a valid index: {e}") from None
+            files = {n: self.path / n for n in names}
+        elif (self.path / SINGLE).is_file():
+            files = {SINGLE: self.path / SINGLE}
+        else:
+            found = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if not found:
+                raise ValueError(
+                    f"{self.path} holds no safetensors weights ({SINGLE} or {INDEX}); is it a "
+                    "Hugging Face model folder?"
+                )
+            files = {n: self.path / n for n in found}
+        self._handles = {}
+        self.where: dict[str, str] = {}
+        for name, file in files.items():
+            if not file.is_file():
+                raise ValueError(f"{file} is named in {INDEX} but missing")
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as e:
+                raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
+            self._handles[name] = handle
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                self.where[key] = name
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def _slice(self, key: str):  # type: ignore[no-untyped-def]
+        return self._handles[self.where[key]].get_slice(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype:
+        return dtype_from_code(self._slice(key).get_dtype())
+
+    def nbytes(self, key: str) -> int:
+        n = self.dtype(key).itemsize
+        for s in self.shape(key):
+            n *= s
+        return n
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        sl = self._slice(key)
+        if rows is None:
+            return self._handles[self.where[key]].get_tensor(key)
+        return sl[rows[0] : rows[1]]
+
+    def config(self) -> dict | None:
+        p = self.path / "config.json"
+        return json.loads(p.read_text()) if p.is_file() else None
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    file: str
+    start: int  # absolute file offset of the tensor's bytes
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape[1:]:
+            n *= s
+        return n
+
+
+class SafetensorsWriter:
+    """Shards laid out in advance, filled by ``write(name, tensor, rows)``, indexed at ``close``."""
+
+    def __init__(
+        self,
+        folder: Path,
+        entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+        max_shard_bytes: int,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.folder = folder
+        shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
+        size = 0
+        for name, shape, dtype in entries:
+            n = dtype.itemsize
+            for s in shape:
+                n *= s
+            if shards[-1] and size + n > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, shape, dtype, n))
+            size += n
+        count = len(shards)
+        self.entries: dict[str, _Entry] = {}
+        self.files: dict[str, object] = {}
+        self.total_size = 0
+        for i, shard in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{count:05d}.safetensors"
+            header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+            offset = 0
+            for name, shape, dtype, n in shard:
+                header[name] = {
+                    "dtype": _DTYPE_CODES[dtype],
+                    "shape": list(shape),
+                    "data_offsets": [offset, offset + n],
+                }
+                offset += n
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)
+            data_start = 8 + len(raw)
+            f = open(folder / file, "w+b")  # noqa: SIM115
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            f.truncate(data_start + offset)
+            self.files[file] = f
+            for name, shape, dtype, n in shard:
+                begin = header[name]["data_offsets"][0]  # type: ignore[index]
+                self.entries[name] = _Entry(file, data_start + begin, shape, dtype)
+                self.total_size += n
+
+    def write(self, name: str, tensor: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        e = self.entries[name]
+        if tuple(tensor.shape[1:]) != e.shape[1:] and rows is not None:
+            raise ValueError(f"{name}: block shape {tuple(tensor.shape)} does not fit {e.shape}")
+        data = tensor.to(e.dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
+        f = self.files[e.file]
+        f.seek(e.start + (rows[0] * e.row_bytes if rows else 0))  # type: ignore[attr-defined]
+        f.write(memoryview(data))  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.flush()  # type: ignore[attr-defined]
+            os.fsync(f.fileno())  # type: ignore[attr-defined]
+            f.close()  # type: ignore[attr-defined]
+        index = {
+            "metadata": {"total_size": self.total_size},
+            "weight_map": {name: e.file for name, e in sorted(self.entries.items())},
+        }
+        (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")

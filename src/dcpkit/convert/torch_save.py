@@ -1,0 +1,126 @@
+"""DCP <-> one ``torch.save`` file, streaming (one tensor, or one row block, at a time).
+
+``to_torch`` keeps the checkpoint's structure (TorchTitan's top-level layout: parameters at the
+top, ``optimizer``/``lr_scheduler``/... as nested dicts), as PyTorch's ``dcp_to_torch_save``
+does; ``model_only`` writes the parameters alone, ready for ``model.load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dcpkit import layout
+from dcpkit.convert.common import DEFAULT_BUDGET, is_model_key, progress, row_blocks, staged_output
+from dcpkit.convert.dcpio import DCPCheckpoint, meta_tensor, nest, write_dcp
+from dcpkit.convert.hf import ConversionResult
+from dcpkit.convert.torchfile import (
+    TensorRef,
+    TensorSpec,
+    TorchSaveFile,
+    TorchSaveWriter,
+    UnsupportedContent,
+    walk_refs,
+)
+from dcpkit.integrity import build_manifest, describe_files
+
+
+def to_torch(
+    ckpt: str | Path,
+    out: str | Path,
+    model_only: bool = False,
+    force: bool = False,
+    budget: int = DEFAULT_BUDGET,
+) -> ConversionResult:
+    """Write a DCP checkpoint as one ``torch.save`` file."""
+    start = time.perf_counter()
+    out = Path(out)
+    with DCPCheckpoint(ckpt) as src:
+        keys = [k for k in src.tensors if not model_only or is_model_key(k)]
+        objects = [] if model_only else list(src.objects)
+        if not keys and not objects:
+            raise ValueError(f"{ckpt} holds nothing to convert")
+        flat: dict[tuple[str, ...], Any] = {}
+        for k in keys:
+            flat[(k,) if model_only else src.path_of(k)] = TensorSpec(k)
+        for k in objects:
+            flat[src.path_of(k)] = src.read_object(k)
+        leaves = [(k, src.shape(k), src.dtype(k)) for k in keys]
+        total = sum(src.nbytes(k) for k in keys)
+        with staged_output(out, is_dir=False, force=force) as tmp:
+            writer = TorchSaveWriter(tmp, nest(flat), leaves)
+            with progress(total, "to-torch") as bar:
+                for k in keys:
+                    for rows in row_blocks(src.shape(k), src.dtype(k).itemsize, budget):
+                        t = src.read(k, rows)
+                        writer.write(k, t, rows)
+                        bar.update(t.numel() * t.element_size())
+            writer.close()
+    return ConversionResult(
+        out, tensors=len(keys), bytes=total, seconds=time.perf_counter() - start
+    )
+
+
+def from_torch(
+    pth: str | Path,
+    ckpt: str | Path,
+    force: bool = False,
+    budget: int = DEFAULT_BUDGET,
+) -> ConversionResult:
+    """Write a ``torch.save`` file (a dict of tensors and plain values) as a DCP checkpoint."""
+    start = time.perf_counter()
+    pth, out = Path(pth), Path(ckpt)
+    if not pth.is_file():
+        raise FileNotFoundError(
+            f"{pth} does not exist" if not pth.exists() else f"{pth} is not a file"
+        )
+    with open(pth, "rb") as f:
+        try:
+            archive = TorchSaveFile(f)
+        except UnsupportedContent:
+            raise
+        except ValueError as e:
+            raise ValueError(f"{pth}: {e}") from None
+        if not isinstance(archive.obj, dict):
+            raise ValueError(
+                f"{pth} holds a {type(archive.obj).__name__}, not a dict of tensors (a state dict)"
+            )
+        refs: dict[str, TensorRef] = {}
+        walk_refs(archive.obj, refs.__setitem__)
+        state = _with_meta(archive.obj)
+        total = sum(r.nbytes for r in refs.values())
+        with (
+            staged_output(out, is_dir=True, force=force) as tmp,
+            progress(total, "from-torch") as bar,
+        ):
+
+            def produce(fqn: str, rows: tuple[int, int] | None) -> torch.Tensor:
+                t = archive.read(refs[fqn], rows)
+                bar.update(t.numel() * t.element_size())
+                return t
+
+            write_dcp(tmp, state, produce, max_chunk_bytes=budget)
+            groups = sorted({k.split(".", 1)[0] if not is_model_key(k) else "model" for k in refs})
+            files = sorted(p.name for p in tmp.iterdir())
+            layout.write_json_durably(
+                tmp / layout.MANIFEST,
+                build_manifest(None, 1, groups, describe_files(tmp, files), source=str(pth)),
+            )
+    return ConversionResult(
+        out, tensors=len(refs), bytes=total, seconds=time.perf_counter() - start
+    )
+
+
+def _with_meta(obj: Any) -> Any:
+    if isinstance(obj, TensorRef):
+        return meta_tensor(obj.shape, obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _with_meta(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_with_meta(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_with_meta(v) for v in obj)
+    return obj

@@ -1,0 +1,348 @@
+"""Reading and writing ``torch.save`` files one tensor (or one block of rows) at a time.
+
+``torch.save`` writes a zip archive: a pickle (``data.pkl``) that refers to storages by key, and
+one uncompressed record per storage (``data/0``, ``data/1``, ...). The reader parses the pickle
+with an allow-list unpickler that turns every tensor into a ``TensorRef`` (record, dtype, offset,
+shape, stride) without reading its bytes; bytes are read on demand, optionally only some rows.
+The same reader opens the small ``torch.save`` archives that DCP's filesystem writer embeds in a
+``.distcp`` file, through a window over the file.
+
+The writer lays out the archive with ``torch.serialization.skip_data`` (so the format is torch's
+own) and then fills each storage's bytes in place.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import warnings
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+
+class UnsupportedContent(ValueError):
+    """The file holds something other than tensors and plain Python values."""
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor inside a ``torch.save`` archive, not yet read."""
+
+    record: str
+    dtype: torch.dtype
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * _itemsize(self.dtype)
+
+    def is_contiguous(self) -> bool:
+        expected, acc = [], 1
+        for s in reversed(self.shape):
+            expected.append(acc)
+            acc *= s
+        return all(
+            st == ex or size == 1
+            for st, ex, size in zip(self.stride, reversed(expected), self.shape)
+        )
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of ``f`` from ``start``."""
+
+    def __init__(self, f: BinaryIO, start: int, length: int) -> None:
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self.length - self.pos))
+        if n == 0:
+            return 0
+        self.f.seek(self.start + self.pos)
+        data = self.f.read(n)
+        buf[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+_SAFE_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex,
+    ("builtins", "bytearray"): bytearray,
+    ("torch", "Size"): torch.Size,
+    # Protocol-2 pickles spell bytes as _codecs.encode(str, "latin1").
+    ("_codecs", "encode"): __import__("codecs").encode,
+}
+
+
+def _storage_dtype(storage_type: Any) -> torch.dtype:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage deprecation: we only read its dtype
+        dtype = getattr(storage_type, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    raise UnsupportedContent(f"unknown storage type {storage_type!r}")
+
+
+def _rebuild_tensor_ref(storage, storage_offset, size, stride, *_rest):  # type: ignore[no-untyped-def]
+    record, dtype = storage
+    return TensorRef(record, dtype, int(storage_offset), tuple(size), tuple(stride))
+
+
+class _RefUnpickler(pickle.Unpickler):
+    def __init__(self, f: BinaryIO, prefix: str) -> None:
+        super().__init__(f)
+        self.prefix = prefix
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
+            return _rebuild_tensor_ref
+        if module == "torch" and name.endswith("Storage"):
+            return getattr(torch, name)
+        if module == "torch" and name in ("float32", "bfloat16", "float16", "int64", "int32"):
+            return getattr(torch, name)
+        if (module, name) in _SAFE_GLOBALS:
+            return _SAFE_GLOBALS[(module, name)]
+        raise UnsupportedContent(
+            f"the file refers to {module}.{name}; only tensors and plain Python values "
+            "(dicts, lists, numbers, strings, bytes) can be read without running its code"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
+            raise UnsupportedContent(f"unsupported persistent id {pid!r}")
+        _, storage_type, key, _location, _numel = pid
+        dtype = (
+            torch.uint8 if storage_type is torch.UntypedStorage else _storage_dtype(storage_type)
+        )
+        return (f"{self.prefix}data/{key}", dtype)
+
+
+def _local_data_offset(f: BinaryIO, base: int, info: zipfile.ZipInfo) -> int:
+    """Offset of a stored record's bytes: the local header's own lengths count, not the central
+    directory's (torch pads the local extra field to align data)."""
+    f.seek(base + info.header_offset)
+    header = f.read(30)
+    if header[:4] != b"PK\x03\x04":
+        raise ValueError("not a zip local header")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+class TorchSaveFile:
+    """A ``torch.save`` archive opened for on-demand reads (a whole file or a window of one)."""
+
+    def __init__(self, f: BinaryIO, start: int = 0, length: int | None = None) -> None:
+        self.f = f
+        self.start = start
+        if length is None:
+            f.seek(0, os.SEEK_END)
+            length = f.tell() - start
+        try:
+            self.zip = zipfile.ZipFile(_Window(f, start, length))
+        except zipfile.BadZipFile:
+            raise ValueError(
+                "not a torch.save archive (legacy non-zip files are not supported; re-save "
+                "it with a current torch)"
+            ) from None
+        names = self.zip.namelist()
+        pkl = next((n for n in names if n.endswith("data.pkl")), None)
+        if pkl is None:
+            raise ValueError("not a torch.save archive: no data.pkl record")
+        self.prefix = pkl[: -len("data.pkl")]
+        order = (
+            self.zip.read(self.prefix + "byteorder")
+            if self.prefix + "byteorder" in names
+            else b"little"
+        )
+        if order.strip() != b"little":
+            raise ValueError("big-endian torch.save files are not supported")
+        self._offsets = {
+            info.filename: _local_data_offset(f, start, info)
+            for info in self.zip.infolist()
+            if info.filename.startswith(self.prefix + "data/")
+        }
+        for info in self.zip.infolist():
+            if info.filename in self._offsets and info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"compressed record {info.filename} is not supported")
+        with self.zip.open(pkl) as p:
+            self.obj = _RefUnpickler(p, self.prefix).load()
+
+    def read(self, ref: TensorRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor (a fresh CPU tensor), or only rows ``[start, stop)`` of its first dim."""
+        item = _itemsize(ref.dtype)
+        shape = list(ref.shape)
+        if rows is not None:
+            if not shape:
+                raise ValueError("row reads need a tensor with at least one dimension")
+            shape[0] = rows[1] - rows[0]
+        numel = 1
+        for s in shape:
+            numel *= s
+        if ref.is_contiguous():
+            first = ref.storage_offset + (rows[0] * ref.stride[0] if rows else 0)
+            buf = self._read_bytes(ref.record, first * item, numel * item)
+            return (
+                _from_bytes(buf, ref.dtype).view(shape)
+                if numel
+                else torch.empty(shape, dtype=ref.dtype)
+            )
+        # A strided view: read the storage span it covers, then take the view.
+        span = ref.storage_offset + 1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride))
+        full = _from_bytes(self._read_bytes(ref.record, 0, span * item), ref.dtype)
+        view = full.as_strided(ref.shape, ref.stride, ref.storage_offset)
+        return (view if rows is None else view[rows[0] : rows[1]]).clone()
+
+    def _read_bytes(self, record: str, offset: int, length: int) -> bytearray:
+        self.f.seek(self.start + self._offsets[record] + offset)
+        buf = bytearray(length)
+        view = memoryview(buf)
+        got = 0
+        while got < length:
+            n = self.f.readinto(view[got:])
+            if not n:
+                raise ValueError(f"the file ends inside record {record}: it is truncated")
+            got += n
+        return buf
+
+
+def _from_bytes(buf: bytearray, dtype: torch.dtype) -> torch.Tensor:
+    if len(buf) == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype)
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+
+def _fake_like(shape: tuple[int, ...], dtype: torch.dtype, mode: Any) -> torch.Tensor:
+    with mode:
+        return torch.empty(shape, dtype=dtype)
+
+
+class TorchSaveWriter:
+    """Writes a ``torch.save`` file whose tensors are filled in afterwards, block by block.
+
+    ``layout`` is the object to save with ``TensorSpec`` leaves (anything else is saved as is).
+    After construction, ``write(key, tensor, rows)`` puts data in place; ``close()`` makes it
+    durable. ``torch.load`` reads the result like any other ``torch.save`` file.
+    """
+
+    def __init__(
+        self, path: Path, layout: Any, leaves: list[tuple[str, tuple[int, ...], torch.dtype]]
+    ) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.serialization import skip_data
+
+        self.path = path
+        mode = FakeTensorMode()
+        fakes: dict[str, torch.Tensor] = {}
+        for key, shape, dtype in leaves:
+            fakes[key] = _fake_like(shape, dtype, mode)
+        obj = _substitute(layout, fakes)
+        with skip_data(materialize_fake_tensors=True):
+            torch.save(obj, str(path))
+        # Read the layout back to learn where each storage's bytes went.
+        with open(path, "rb") as f:
+            reader = TorchSaveFile(f)
+            refs = _collect_refs(reader.obj)
+            offsets = dict(reader._offsets)
+        specs: dict[str, str] = {}
+        walk_specs(layout, lambda p, spec: specs.__setitem__(p, spec.key))
+        if refs.keys() != specs.keys():
+            raise RuntimeError("torch.save layout does not match the tensors to write")
+        self._where: dict[str, tuple[int, TensorRef]] = {
+            specs[p]: (offsets[ref.record], ref) for p, ref in refs.items()
+        }
+        self.f = open(path, "r+b")  # noqa: SIM115
+
+    def write(self, key: str, tensor: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        offset, ref = self._where[key]
+        row_bytes = ref.nbytes // ref.shape[0] if ref.shape and ref.shape[0] else 0
+        start = offset + (rows[0] * row_bytes if rows else 0)
+        data = tensor.to(ref.dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
+        self.f.seek(start)
+        self.f.write(memoryview(data))
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A placeholder for a tensor in the layout given to ``TorchSaveWriter``."""
+
+    key: str
+
+
+def _substitute(obj: Any, fakes: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, TensorSpec):
+        return fakes[obj.key]
+    if isinstance(obj, dict):
+        return {k: _substitute(v, fakes) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_substitute(v, fakes) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_substitute(v, fakes) for v in obj)
+    return obj
+
+
+def _collect_refs(obj: Any, prefix: str = "") -> dict[str, TensorRef]:
+    """Flattened ``{dotted.path: TensorRef}`` of a loaded layout, in pickle order."""
+    out: dict[str, TensorRef] = {}
+    walk_refs(obj, lambda path, ref: out.__setitem__(path, ref), prefix)
+    return out
+
+
+def _walk(obj: Any, leaf_type: type, fn: Callable[[str, Any], None], prefix: str) -> None:
+    if isinstance(obj, leaf_type):
+        fn(prefix, obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _walk(v, leaf_type, fn, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _walk(v, leaf_type, fn, f"{prefix}.{i}" if prefix else str(i))
+
+
+def walk_refs(obj: Any, fn: Callable[[str, TensorRef], None], prefix: str = "") -> None:
+    """Call ``fn(dotted_path, ref)`` for every tensor of a parsed archive, in pickle order."""
+    _walk(obj, TensorRef, fn, prefix)
+
+
+def walk_specs(obj: Any, fn: Callable[[str, TensorSpec], None]) -> None:
+    _walk(obj, TensorSpec, fn, "")
