@@ -197,3 +197,53 @@ def test_dcpkit_train_command_launches_torchrun(tmp_path):
     assert "step    3" in proc.stdout
     assert sorted(read_metrics(dump)) == [1, 2, 3]
     assert layout.published_steps(dump / "checkpoint") == [2, 3]
+
+
+def test_trainer_initial_load_in_hf_and_last_save_in_hf(stopped_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from dcpkit.convert.hf import from_hf, to_hf
+
+    hf = tmp_path / "hf"
+    to_hf(
+        stopped_run / "checkpoint" / "step-10",
+        hf,
+        "llama3",
+        "debugmodel",
+        tokenizer=stopped_run / "tokenizer.json",
+    )
+    imported = tmp_path / "imported"
+    from_hf(hf, imported, "llama3")
+
+    from_hf_run = tmp_path / "from_hf"
+    proc = run_train(
+        2,
+        from_hf_run,
+        "--training.steps",
+        "2",
+        "--checkpoint.initial_load_path",
+        str(hf),
+        "--checkpoint.initial_load_in_hf",
+        "true",
+        "--checkpoint.last_save_model_only",
+        "true",
+        "--checkpoint.last_save_in_hf",
+        "true",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+    )
+    assert "initial_load_path" in proc.stdout
+    from_dcp_run = tmp_path / "from_dcp"
+    run_train(
+        2, from_dcp_run, "--training.steps", "1", "--checkpoint.initial_load_path", str(imported)
+    )
+    # Both start from the step-10 weights (optimizer fresh, data from the start).
+    a, b = read_metrics(from_hf_run), read_metrics(from_dcp_run)
+    assert a[1]["loss"] == b[1]["loss"]
+    assert a[1]["loss"] < read_metrics(stopped_run)[1]["loss"] - 0.3
+
+    final = from_hf_run / "checkpoint" / "step-2"
+    assert (final / "model.safetensors.index.json").is_file()
+    assert layout.published_steps(from_hf_run / "checkpoint") == [2]
+    model = AutoModelForCausalLM.from_pretrained(str(final))
+    assert model.config.torch_dtype == torch.bfloat16 or model.dtype == torch.bfloat16

@@ -100,8 +100,41 @@ def main() -> int:
         f"    published checkpoints: {layout.published_steps(full / 'checkpoint')} "
         f"(keep_latest_k = 3)"
     )
-    print(f"    outputs in {OUT.resolve()}  ({time.time() - start:.0f}s)")
+
+    banner("5. export step-20 to Hugging Face, verified, and generate with transformers")
+    hf = OUT / "hf_export"
+    print(f"    $ dcpkit to-hf {full / 'checkpoint' / 'step-20'} {hf} --model llama3 "
+          f"--flavor debugmodel --tokenizer {full / 'tokenizer.json'} --verify")
+    code = cli_main(["to-hf", str(full / "checkpoint" / "step-20"), str(hf), "--model", "llama3",
+                     "--flavor", "debugmodel", "--tokenizer", str(full / "tokenizer.json"),
+                     "--verify"])
+    if code != 0:
+        return code
+    generate(hf)
+    print(f"\n    outputs in {OUT.resolve()}  ({time.time() - start:.0f}s)")
     return 0 if bitwise and worst < 1e-3 else 1
+
+
+def generate(folder: Path) -> None:
+    """Load the export with transformers alone and continue a prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    prompt = "def __init__(self"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)
+    text = tokenizer.decode(out[0])
+    print(f"    transformers: {type(model).__name__}, {model.num_parameters() / 1e6:.1f}M "
+          f"parameters, tokenizer with {len(tokenizer)} tokens")
+    print(f"    prompt {prompt!r} -> {text!r}")
+    print("    (20 steps of a 6M-parameter model: expect Python-flavoured noise, not code)")
 
 
 if __name__ == "__main__":

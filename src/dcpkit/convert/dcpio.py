@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -85,11 +87,11 @@ class DCPCheckpoint:
             n *= s
         return n
 
-    def path_of(self, fqn: str) -> tuple[str, ...]:
-        """The nested path DCP flattened into ``fqn`` (for rebuilding nested dicts)."""
+    def path_of(self, fqn: str) -> tuple[str | int, ...]:
+        """The nested path DCP flattened into ``fqn`` (ints index lists), for rebuilding."""
         mapping = self.metadata.planner_data or {}
         path = mapping.get(fqn)
-        return tuple(str(p) for p in path) if path else tuple(fqn.split("."))
+        return tuple(path) if path else tuple(fqn.split("."))
 
     # -- reading
 
@@ -119,6 +121,11 @@ class DCPCheckpoint:
         shape = list(md.size)
         if rows is not None:
             shape[0] = rows[1] - rows[0]
+        if len(md.chunks) == 1 and list(md.chunks[0].sizes) == list(md.size):
+            # One chunk holds the whole tensor: return what is read, without a second copy.
+            f, start, length = self._storage(fqn, md.chunks[0].offsets)
+            archive = TorchSaveFile(f, start, length)
+            return archive.read(archive.obj, rows).view(shape)
         out = torch.empty(shape, dtype=md.properties.dtype)
         for chunk in md.chunks:
             offsets, sizes = list(chunk.offsets), list(chunk.sizes)
@@ -245,19 +252,37 @@ def write_dcp(
     chunks a multiple of that many rows (for row-block transforms).
     """
     planner = _LazySavePlanner(produce, max_chunk_bytes, on_written, row_block or {})
-    dcp.save(state, storage_writer=FileSystemWriter(str(path)), planner=planner, no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        # One file per tensor chunk: DCP's writer keeps every tensor of a file referenced until
+        # that file is done, so one file per rank would hold the whole model in memory.
+        writer = FileSystemWriter(str(path), single_file_per_rank=False)
+        dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
 
 
 def meta_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def nest(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:
-    """``{("a", "b"): v}`` -> ``{"a": {"b": v}}``."""
+def nest(flat: dict[tuple[str | int, ...], Any]) -> dict[str, Any]:
+    """``{("a", "b"): v, ("a", "c", 0): w}`` -> ``{"a": {"b": v, "c": [w]}}`` (int path parts
+    index lists, as DCP's own unflattening does)."""
     out: dict[str, Any] = {}
     for path, value in flat.items():
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
+        node: Any = out
+        for part, nxt in itertools.pairwise(path):
+            empty: Any = [] if isinstance(nxt, int) else {}
+            if isinstance(node, list):
+                while len(node) <= part:
+                    node.append(None)
+                if node[part] is None:
+                    node[part] = empty
+                node = node[part]
+            else:
+                node = node.setdefault(part, empty)
+        last = path[-1]
+        if isinstance(node, list):
+            while len(node) <= last:
+                node.append(None)
+        node[last] = value
     return out

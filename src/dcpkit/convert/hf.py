@@ -238,8 +238,11 @@ def _verify_logits(
         return None
     from dataclasses import replace
 
+    from transformers.utils import logging as hf_logging
+
     from dcpkit.models import build_model
 
+    hf_logging.disable_progress_bar()
     hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     hf_model.eval()
     with torch.device("meta"):

@@ -73,12 +73,45 @@ def parse_size(text: str | int) -> int:
 # --- reading -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Stored:
+    file: Path
+    start: int  # absolute offset of the tensor's bytes
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """(header dict, offset of the data buffer) of a safetensors file."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        size = path.stat().st_size
+        if n > min(size - 8, 100 << 20):
+            raise ValueError(f"{path} is not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ValueError(f"{path} has a corrupt safetensors header: {e}") from None
+    data_start = 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        end = info["data_offsets"][1]
+        if data_start + end > size:
+            raise ValueError(f"{path} is truncated: {name} ends past the end of the file")
+    return header, data_start
+
+
 class SafetensorsFolder:
-    """The tensors of an HF folder: ``model.safetensors`` or shards with an index."""
+    """The tensors of an HF folder (``model.safetensors`` or shards with an index).
+
+    Reads use plain file reads, not a memory map, so that only the block asked for is resident.
+    """
 
     def __init__(self, path: str | Path) -> None:
-        from safetensors import safe_open
-
         self.path = Path(path)
         if not self.path.exists():
             raise FileNotFoundError(f"{self.path} does not exist")
@@ -102,30 +135,30 @@ class SafetensorsFolder:
                     "Hugging Face model folder?"
                 )
             files = {n: self.path / n for n in found}
-        self._handles = {}
-        self.where: dict[str, str] = {}
-        for name, file in files.items():
+        self.stored: dict[str, _Stored] = {}
+        for file in files.values():
             if not file.is_file():
                 raise ValueError(f"{file} is named in {INDEX} but missing")
-            try:
-                handle = safe_open(str(file), framework="pt")
-            except Exception as e:
-                raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
-            self._handles[name] = handle
-            for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                self.where[key] = name
+            header, data_start = read_header(file)
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                self.stored[key] = _Stored(
+                    file,
+                    data_start + info["data_offsets"][0],
+                    tuple(info["shape"]),
+                    dtype_from_code(info["dtype"]),
+                )
+        self._handles: dict[Path, object] = {}
 
     def names(self) -> list[str]:
-        return list(self.where)
-
-    def _slice(self, key: str):  # type: ignore[no-untyped-def]
-        return self._handles[self.where[key]].get_slice(key)
+        return list(self.stored)
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._slice(key).get_shape())
+        return self.stored[key].shape
 
     def dtype(self, key: str) -> torch.dtype:
-        return dtype_from_code(self._slice(key).get_dtype())
+        return self.stored[key].dtype
 
     def nbytes(self, key: str) -> int:
         n = self.dtype(key).itemsize
@@ -134,14 +167,35 @@ class SafetensorsFolder:
         return n
 
     def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        sl = self._slice(key)
-        if rows is None:
-            return self._handles[self.where[key]].get_tensor(key)
-        return sl[rows[0] : rows[1]]
+        """The tensor, or rows ``[start, stop)`` of its first dimension (a fresh tensor)."""
+        st = self.stored[key]
+        shape = list(st.shape)
+        row_bytes = st.dtype.itemsize
+        for s in shape[1:]:
+            row_bytes *= s
+        first = 0
+        if rows is not None:
+            first, shape[0] = rows[0], rows[1] - rows[0]
+        n = row_bytes * (shape[0] if shape else 1)
+        f = self._handles.get(st.file)
+        if f is None:
+            f = self._handles[st.file] = open(st.file, "rb")  # noqa: SIM115
+        f.seek(st.start + first * row_bytes)  # type: ignore[attr-defined]
+        buf = bytearray(n)
+        if f.readinto(buf) != n:  # type: ignore[attr-defined]
+            raise ValueError(f"{st.file} is truncated inside {key}")
+        if n == 0:
+            return torch.empty(shape, dtype=st.dtype)
+        return torch.frombuffer(buf, dtype=st.dtype).view(shape)
 
     def config(self) -> dict | None:
         p = self.path / "config.json"
         return json.loads(p.read_text()) if p.is_file() else None
+
+    def close(self) -> None:
+        for f in self._handles.values():
+            f.close()  # type: ignore[attr-defined]
+        self._handles.clear()
 
 
 # --- writing -------------------------------------------------------------------------------------

@@ -1,0 +1,175 @@
+"""Conversion benchmark: wall time and peak RSS of dcpkit's streaming conversions against
+PyTorch's ``dcp_to_torch_save`` and a raw read+write of the same bytes, measured in one run.
+
+    python benchmarks/convert.py [--gb 2] [--json results.json] [--workdir DIR]
+
+Each operation runs in its own process; its peak RSS (``ru_maxrss``) is reported above the
+baseline of a process that imports the same modules and converts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dcpkit.convert.adapters import get_adapter
+from dcpkit.convert.dcpio import meta_tensor, write_dcp
+from dcpkit.models.llama3 import Llama3Args
+
+IMPORTS = (
+    "import torch, dcpkit.convert.hf, dcpkit.convert.torch_save, "
+    "torch.distributed.checkpoint.format_utils"
+)
+OPS = {
+    "baseline (imports only)": "pass",
+    "raw read+write": (
+        "import os, pathlib\n"
+        "out = open(OUT + '/raw.bin', 'wb')\n"
+        "for p in sorted(pathlib.Path(CKPT).iterdir()):\n"
+        "    with open(p, 'rb') as f:\n"
+        "        while b := f.read(16 << 20): out.write(b)\n"
+        "out.flush(); os.fsync(out.fileno()); out.close()"
+    ),
+    "dcpkit to-torch": "dcpkit.convert.torch_save.to_torch(CKPT, OUT + '/model.pth')",
+    "dcpkit to-hf": "dcpkit.convert.hf.to_hf(CKPT, OUT + '/hf', 'llama3', ARGS)",
+    "dcpkit from-hf": "dcpkit.convert.hf.from_hf(OUT + '/hf', OUT + '/from_hf', 'llama3')",
+    "torch dcp_to_torch_save": (
+        "torch.distributed.checkpoint.format_utils.dcp_to_torch_save(CKPT, OUT + '/ref.pth')"
+    ),
+}
+
+
+def bench_args(gib: float) -> Llama3Args:
+    """A Llama 3 shape (dim 2048, GQA 16/8 heads, vocab 32000) with enough layers for ``gib``."""
+    base = Llama3Args(
+        dim=2048,
+        n_layers=1,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=32000,
+        multiple_of=256,
+        ffn_dim_multiplier=1.0,
+        max_seq_len=4096,
+    )
+    shapes = get_adapter("llama3").expected_shapes(base)
+    per_layer = sum(_numel(s) for k, s in shapes.items() if k.startswith("layers.0.")) * 4
+    rest = sum(_numel(s) for k, s in shapes.items() if not k.startswith("layers.")) * 4
+    layers = max(1, round((gib * (1 << 30) - rest) / per_layer))
+    return replace(base, n_layers=layers)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def make_checkpoint(path: Path, args: Llama3Args) -> int:
+    """A model-only DCP checkpoint of random fp32 tensors, written tensor by tensor."""
+    shapes = get_adapter("llama3").expected_shapes(args)
+    state = {k: meta_tensor(s, torch.float32) for k, s in shapes.items()}
+    gen = torch.Generator()
+
+    def produce(fqn, rows):
+        gen.manual_seed(hash(fqn) % (2**31))
+        shape = list(shapes[fqn])
+        if rows is not None:
+            shape[0] = rows[1] - rows[0]
+        return torch.randn(shape, generator=gen)
+
+    write_dcp(path, state, produce)
+    return sum(p.stat().st_size for p in path.iterdir())
+
+
+def run_op(code: str, ckpt: Path, out: Path, args: Llama3Args) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of ``code`` in a fresh interpreter."""
+    prelude = (
+        f"{IMPORTS}\nfrom dcpkit.models.llama3 import Llama3Args\n"
+        f"CKPT = {str(ckpt)!r}\nOUT = {str(out)!r}\nARGS = {args!r}\n"
+        "import time\nt0 = time.perf_counter()\n"
+    )
+    # VmHWM is the peak resident set of this process image (exec starts it afresh, unlike
+    # ru_maxrss, which also counts the parent's pages shared at fork).
+    script = prelude + code + (
+        "\nprint('WALL', time.perf_counter() - t0)\n"
+        "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark operation failed:\n{code}\n{proc.stderr[-2000:]}")
+    lines = proc.stdout.splitlines()
+    wall = float(next(line.split()[1] for line in lines if line.startswith("WALL")))
+    hwm_kib = int(next(line.split()[1] for line in lines if line.startswith("VmHWM")))
+    return wall, hwm_kib * 1024
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=2.0, help="checkpoint size in GiB (default 2)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder)")
+    opts = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="dcpkit-bench-", dir=opts.workdir))
+    try:
+        args = bench_args(opts.gb)
+        ckpt = work / "ckpt"
+        t0 = time.perf_counter()
+        size = make_checkpoint(ckpt, args)
+        print(
+            f"checkpoint: Llama 3 shape, {args.n_layers} layers, dim {args.dim}, vocab "
+            f"{args.vocab_size}: {size / (1 << 30):.2f} GiB fp32 "
+            f"(written in {time.perf_counter() - t0:.1f}s)"
+        )
+        rows = {}
+        for name, code in OPS.items():
+            out = work / "out"
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            if name == "dcpkit from-hf":  # needs the to-hf output
+                run_op(OPS["dcpkit to-hf"], ckpt, out, args)
+            wall, rss = run_op(code, ckpt, out, args)
+            rows[name] = {"wall_s": wall, "peak_rss_bytes": rss}
+            print(f"  measured {name}", flush=True)
+        base = rows["baseline (imports only)"]["peak_rss_bytes"]
+        raw = rows["raw read+write"]["wall_s"]
+        print(
+            f"\n{'operation':<26} {'wall s':>8} {'x raw':>7} {'RSS above base':>15} "
+            f"{'% of ckpt':>10}"
+        )
+        for name, r in rows.items():
+            above = r["peak_rss_bytes"] - base
+            r["rss_above_baseline_bytes"] = above
+            r["rss_fraction_of_checkpoint"] = above / size
+            r["wall_vs_raw"] = r["wall_s"] / raw
+            if name.startswith("baseline"):
+                print(f"{name:<26} {'':>8} {'':>7} {base / (1 << 20):>11.0f} MiB (absolute)")
+                continue
+            print(
+                f"{name:<26} {r['wall_s']:>8.2f} {r['wall_vs_raw']:>7.2f} "
+                f"{above / (1 << 20):>11.0f} MiB {100 * above / size:>9.1f}%"
+            )
+        if opts.json:
+            opts.json.write_text(
+                json.dumps(
+                    {"checkpoint_bytes": size, "layers": args.n_layers, "results": rows}, indent=2
+                )
+                + "\n"
+            )
+            print(f"\nwrote {opts.json}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
