@@ -13,15 +13,30 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_convert_benchmark_small(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "convert.py"), "--gb", "0.4", "--json",
-         str(out), "--workdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "convert.py"),
+            "--gb",
+            "0.4",
+            "--json",
+            str(out),
+            "--workdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     results = data["results"]
-    assert set(results) >= {"raw read+write", "dcpkit to-torch", "dcpkit to-hf",
-                            "dcpkit from-hf", "torch dcp_to_torch_save"}
+    assert set(results) >= {
+        "raw read+write",
+        "dcpkit to-torch",
+        "dcpkit to-hf",
+        "dcpkit from-hf",
+        "torch dcp_to_torch_save",
+    }
     assert data["checkpoint_bytes"] > 0.3 * (1 << 30)
     # PyTorch's consolidation holds the whole checkpoint; the streaming ones do not.
     ref = results["torch dcp_to_torch_save"]["rss_above_baseline_bytes"]

@@ -56,15 +56,78 @@ def _cmd_list(args: argparse.Namespace, rest: list[str]) -> int:
     if not rows:
         print(f"{folder}: no checkpoints")
         return 0
+    from dcpkit.verify import verify_path
+
     now = time.time()
     print(f"{'checkpoint':<18} {'step':>8} {'size':>10} {'age':>6}  status")
     for row in rows:
+        if row.status.startswith("published"):
+            report = verify_path(folder / row.name, checksums=args.checksums)
+            if not report.ok:
+                row.status = f"CORRUPT ({report.problems[0]})"
         step = "" if row.step is None else str(row.step)
         print(
             f"{row.name:<18} {step:>8} {_human_bytes(row.size):>10} "
             f"{_human_age(now - row.mtime):>6}  {row.status}"
         )
     return 0
+
+
+def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
+    import json
+
+    from dcpkit.inspect import format_inspect, inspect_path
+
+    info = inspect_path(args.path)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_inspect(info, limit=None if args.all else 60))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
+    from dcpkit.verify import verify_path
+
+    report = verify_path(args.path, checksums=not args.quick)
+    for note in report.notes:
+        print(f"note: {note}")
+    if report.ok:
+        what = "sizes and checksums" if report.checksummed else "sizes"
+        print(
+            f"OK: {report.path} ({report.kind}): structure intact, {what} of "
+            f"{report.files_checked} file(s) match"
+        )
+        return 0
+    print(f"FAILED: {report.path} ({report.kind}): {len(report.problems)} problem(s)")
+    for problem in report.problems:
+        print(f"  {problem}")
+    return 1
+
+
+def _cmd_diff(args: argparse.Namespace, rest: list[str]) -> int:
+    from dcpkit.diff import diff_paths
+
+    result = diff_paths(args.a, args.b, family=args.model, budget=_budget(args))
+    for note in result.notes:
+        print(f"note: {note}")
+    for name in result.only_a:
+        print(f"only in A: {name}")
+    for name in result.only_b:
+        print(f"only in B: {name}")
+    for change in result.changed:
+        print(f"changed:   {change}")
+    differing = result.differing(args.atol)
+    for t in differing:
+        print(f"differs:   {t.name}  max |a - b| = {t.max_abs_diff:.6g}")
+    equal = sum(t.equal for t in result.tensors)
+    close = len(result.tensors) - equal - len(differing)
+    print(
+        f"{len(result.tensors)} tensors compared: {equal} identical, {close} within atol "
+        f"{args.atol:g}, {len(differing)} differ; {len(result.only_a)} only in A, "
+        f"{len(result.only_b)} only in B, {len(result.changed)} changed shape or dtype"
+    )
+    return 0 if result.same(args.atol) else 1
 
 
 def _report(result, verb: str) -> None:  # type: ignore[no-untyped-def]
@@ -268,10 +331,58 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common_convert(p)
     p.set_defaults(func=_cmd_from_hf, passthrough=False)
 
+    p = sub.add_parser("inspect", help="what a checkpoint holds (DCP, HF or torch.save)")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="machine-readable output (stable)")
+    p.add_argument("--all", action="store_true", help="list every tensor")
+    p.set_defaults(func=_cmd_inspect, passthrough=False)
+
+    p = sub.add_parser("verify", help="recompute checksums and check structure; exit 1 if bad")
+    p.add_argument("path")
+    p.add_argument("--quick", action="store_true", help="sizes and structure only, no checksums")
+    p.set_defaults(func=_cmd_verify, passthrough=False)
+
+    p = sub.add_parser("diff", help="compare two checkpoints tensor by tensor (across formats)")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--atol", type=float, default=0.0, help="tolerated max abs difference")
+    p.add_argument(
+        "--model",
+        default="llama3",
+        choices=known_families(),
+        help="family for mapping a Hugging Face folder (default llama3)",
+    )
+    p.add_argument("--memory-budget", default="256MiB", metavar="SIZE", help=argparse.SUPPRESS)
+    p.set_defaults(func=_cmd_diff, passthrough=False)
+
     p = sub.add_parser("list", help="checkpoints under a checkpoint folder, with their status")
     p.add_argument("folder")
+    p.add_argument(
+        "--checksums",
+        action="store_true",
+        help="also recompute checksums (default: sizes and structure)",
+    )
     p.set_defaults(func=_cmd_list, passthrough=False)
     return parser
+
+
+def _describe(e: Exception) -> str:
+    """One paragraph for the terminal: what went wrong and, where it helps, how to fix it."""
+    if isinstance(e, PermissionError):
+        return (
+            f"permission denied: {e.filename or e}; check the file's owner and mode, or run "
+            "as a user who can read (and, for outputs, write) it"
+        )
+    if isinstance(e, IsADirectoryError | NotADirectoryError):
+        return f"{e.filename}: {e.strerror.lower() if e.strerror else e}"
+    if isinstance(e, FileNotFoundError) and e.filename:
+        return f"{e.filename} does not exist"
+    text = str(e) or type(e).__name__
+    return (
+        text
+        if isinstance(e, ValueError | OSError | RuntimeError | CLIError)
+        else (f"{type(e).__name__}: {text}")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if args.debug:
             raise
-        print(f"dcpkit {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        print(f"dcpkit {args.command}: error: {_describe(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -55,6 +55,10 @@ class CheckpointConfig:
     """Build the model on one rank without parallelism, save it as step 0 and stop."""
     load_only: bool = False
     """Load checkpoints but never save."""
+    verify_on_load: bool = True
+    """Check the checkpoint's file sizes and checksums before loading it (ranks split the work)."""
+    fallback_on_corruption: bool = False
+    """When the latest checkpoint fails verification, load the newest one that passes."""
 
     def __post_init__(self) -> None:
         self.async_mode = str(self.async_mode).lower()

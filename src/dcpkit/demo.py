@@ -56,7 +56,10 @@ def main() -> int:
     print("\n    $ dcpkit list", interrupted / "checkpoint")
     cli_main(["list", str(interrupted / "checkpoint")])
 
-    banner("3. resume on 2 ranks from step-10")
+    banner("3. verify step-10 (sizes, xxh3 checksums, DCP structure), then resume on 2 ranks")
+    print("    $ dcpkit verify", interrupted / "checkpoint" / "step-10")
+    if cli_main(["verify", str(interrupted / "checkpoint" / "step-10")]) != 0:
+        raise SystemExit("demo: the checkpoint to resume from failed verification")
     shutil.copytree(interrupted / "checkpoint" / "step-10", one_rank / "checkpoint" / "step-10")
     train(2, interrupted)
 
@@ -103,11 +106,24 @@ def main() -> int:
 
     banner("5. export step-20 to Hugging Face, verified, and generate with transformers")
     hf = OUT / "hf_export"
-    print(f"    $ dcpkit to-hf {full / 'checkpoint' / 'step-20'} {hf} --model llama3 "
-          f"--flavor debugmodel --tokenizer {full / 'tokenizer.json'} --verify")
-    code = cli_main(["to-hf", str(full / "checkpoint" / "step-20"), str(hf), "--model", "llama3",
-                     "--flavor", "debugmodel", "--tokenizer", str(full / "tokenizer.json"),
-                     "--verify"])
+    print(
+        f"    $ dcpkit to-hf {full / 'checkpoint' / 'step-20'} {hf} --model llama3 "
+        f"--flavor debugmodel --tokenizer {full / 'tokenizer.json'} --verify"
+    )
+    code = cli_main(
+        [
+            "to-hf",
+            str(full / "checkpoint" / "step-20"),
+            str(hf),
+            "--model",
+            "llama3",
+            "--flavor",
+            "debugmodel",
+            "--tokenizer",
+            str(full / "tokenizer.json"),
+            "--verify",
+        ]
+    )
     if code != 0:
         return code
     generate(hf)
@@ -128,11 +144,14 @@ def generate(folder: Path) -> None:
     prompt = "def __init__(self"
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=12, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )
     text = tokenizer.decode(out[0])
-    print(f"    transformers: {type(model).__name__}, {model.num_parameters() / 1e6:.1f}M "
-          f"parameters, tokenizer with {len(tokenizer)} tokens")
+    print(
+        f"    transformers: {type(model).__name__}, {model.num_parameters() / 1e6:.1f}M "
+        f"parameters, tokenizer with {len(tokenizer)} tokens"
+    )
     print(f"    prompt {prompt!r} -> {text!r}")
     print("    (20 steps of a 6M-parameter model: expect Python-flavoured noise, not code)")
 

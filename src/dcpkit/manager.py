@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from dcpkit import dist, failpoints, layout
 from dcpkit.config import CheckpointConfig, ConfigError
-from dcpkit.integrity import build_manifest, describe_files, rank_files
+from dcpkit.integrity import build_manifest, data_files, describe_files, rank_files, write_manifest
 from dcpkit.states import (
     DATALOADER,
     LR_SCHEDULER,
@@ -128,6 +128,7 @@ class CheckpointManager:
         self.rank = dist.rank()
         self.world_size = dist.world_size()
         self.last_saved_step: int | None = None
+        self.last_checksum_s = 0.0
         self.loaded_step: int | None = None
         if self.config.enable and not self.config.load_only and self.rank == 0:
             layout.clean_leftovers(self.folder)
@@ -238,6 +239,8 @@ class CheckpointManager:
         if plan.path is None:
             logger.info("checkpoint: %s", plan.reason)
             return None
+        if self.config.verify_on_load:
+            plan = self._verified(plan)
         start = time.perf_counter()
         loaded = self.load_from(plan.path, model_only=plan.model_only)
         logger.info(
@@ -249,6 +252,57 @@ class CheckpointManager:
         )
         self.loaded_step = plan.step
         return plan.step
+
+    def verify(self, path: str | Path) -> list[str]:
+        """Problems with the checkpoint at ``path`` (sizes, checksums, structure); every rank
+        checksums its share of the files. Empty when it is intact."""
+        from dcpkit.integrity import load_manifest
+        from dcpkit.verify import verify_path
+
+        manifest, _ = load_manifest(Path(path))
+        names = sorted(manifest["files"]) if manifest else []
+        mine = names[self.rank :: self.world_size] if manifest else None
+        report = verify_path(path, checksum_files=mine)
+        found: set[str] = set()
+        for part in dist.all_gather_object([str(p) for p in report.problems]):
+            found.update(part)
+        return sorted(found)
+
+    def _verified(self, plan: LoadPlan) -> LoadPlan:
+        """``plan`` if its checkpoint verifies; else the newest older one that does, when
+        ``fallback_on_corruption`` allows it; else an error listing the problems."""
+        assert plan.path is not None
+        problems = self.verify(plan.path)
+        if not problems:
+            return plan
+        listing = "; ".join(problems[:5]) + (
+            f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        )
+        latest = self.config.load_step == -1 and plan.step is not None
+        if not (self.config.fallback_on_corruption and latest):
+            raise CheckpointError(
+                f"{plan.path} failed verification: {listing}. Run `dcpkit verify {plan.path}` "
+                "for the full list; set [checkpoint] fallback_on_corruption = true to load the "
+                "newest intact checkpoint instead, or load_step to choose one"
+            )
+        for step in reversed([s for s in layout.published_steps(self.folder) if s < plan.step]):
+            path = layout.step_dir(self.folder, step)
+            if self.rank == 0:
+                logger.warning(
+                    "checkpoint: %s failed verification (%s); falling back to %s",
+                    plan.path,
+                    listing,
+                    path,
+                )
+            if not self.verify(path):
+                return LoadPlan(
+                    str(path), step, step == 0, f"fallback: step-{plan.step} failed verification"
+                )
+            plan = LoadPlan(str(path), step, step == 0, "")
+        raise CheckpointError(
+            f"no published checkpoint in {self.folder} passes verification (the latest failed "
+            f"with: {listing}); restore the files or start fresh in another folder"
+        )
 
     def load_from(self, path: str | Path, model_only: bool = False) -> list[str]:
         """Load the checkpoint at ``path`` into the current state (any world size).
@@ -396,11 +450,12 @@ class CheckpointManager:
             self._write(state, step, model_only)
         self.last_saved_step = step
         logger.info(
-            "checkpoint: saved step %d%s to %s in %.2fs",
+            "checkpoint: saved step %d%s to %s in %.2fs (checksums %.3fs)",
             step,
             " (model only, " + self.config.export_dtype + ")" if model_only else "",
             layout.step_dir(self.folder, step),
             time.perf_counter() - start,
+            self.last_checksum_s,
         )
         return True
 
@@ -437,7 +492,9 @@ class CheckpointManager:
         dist.barrier()
         dcp.save(state, storage_writer=_StepWriter(tmp, step), no_dist=not dist.is_dist())
         failpoints.hit("after_write", step, self.rank)
+        hash_start = time.perf_counter()
         files = describe_files(tmp, rank_files(tmp, self.rank))
+        self.last_checksum_s = time.perf_counter() - hash_start
         gathered = dist.all_gather_object(files)
         if self.rank == 0:
             all_files: dict[str, Any] = {}
@@ -453,7 +510,7 @@ class CheckpointManager:
                 dtype=self.config.export_dtype if model_only else None,
                 mesh=self._mesh_info(),
             )
-            layout.write_json_durably(tmp / layout.MANIFEST, manifest)
+            write_manifest(tmp, manifest)
             failpoints.hit("before_publish", step, self.rank)
             layout.publish(tmp, final)
             failpoints.hit("after_publish", step, self.rank)
@@ -484,7 +541,7 @@ class CheckpointManager:
                 tokenizer=self.hf_model.tokenizer,
                 force=True,
             )
-            files = sorted(p.name for p in tmp.iterdir())
+            files = data_files(tmp)
             manifest = build_manifest(
                 step,
                 self.world_size,
@@ -494,7 +551,7 @@ class CheckpointManager:
                 mesh=self._mesh_info(),
                 source="hf",
             )
-            layout.write_json_durably(tmp / layout.MANIFEST, manifest)
+            write_manifest(tmp, manifest)
             layout.publish(tmp, layout.step_dir(self.folder, step))
             shutil.rmtree(staging, ignore_errors=True)
             layout.apply_retention(self.folder, self.config.keep_latest_k)

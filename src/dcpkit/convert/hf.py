@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from dcpkit import layout
 from dcpkit.convert.adapters import ConversionError, ModelAdapter, get_adapter
 from dcpkit.convert.common import (
     DEFAULT_BUDGET,
@@ -29,7 +28,7 @@ from dcpkit.convert.common import (
 )
 from dcpkit.convert.dcpio import DCPCheckpoint, meta_tensor, write_dcp
 from dcpkit.convert.safetensors_io import SafetensorsFolder, SafetensorsWriter, parse_size
-from dcpkit.integrity import build_manifest, describe_files
+from dcpkit.integrity import build_manifest, data_files, describe_files, write_manifest
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -117,6 +116,15 @@ def to_hf(
             )
             if tok is not None:
                 _copy_tokenizer(tok, tmp, args, bos, eos, result)
+            manifest = build_manifest(
+                None,
+                1,
+                ["model"],
+                describe_files(tmp, data_files(tmp)),
+                dtype=str(config_dtype).removeprefix("torch."),
+                source=f"{ckpt} ({family} {flavor})",
+            )
+            write_manifest(tmp, manifest)
             if verify:
                 result.max_tensor_diff = _verify_hf_tensors(src, tmp, plan, out_dtype, budget)
                 result.max_logits_diff = _verify_logits(adapter, args, tmp, result)
@@ -321,7 +329,7 @@ def from_hf(
         state = {c: meta_tensor(shapes[hf], out_dtype[c]) for c, (hf, _) in sources.items()}
         row_block = {c: tf.row_block for c, (_, tf) in sources.items() if tf is not None}
         write_dcp(tmp, state, produce, max_chunk_bytes=budget, row_block=row_block)
-        files = sorted(p.name for p in tmp.iterdir())
+        files = data_files(tmp)
         manifest = build_manifest(
             None,
             1,
@@ -330,7 +338,7 @@ def from_hf(
             dtype=str(_dominant_dtype(out_dtype.values())).removeprefix("torch."),
             source=f"{hf_dir} ({family} {flavor})",
         )
-        layout.write_json_durably(tmp / layout.MANIFEST, manifest)
+        write_manifest(tmp, manifest)
         if verify:
             with DCPCheckpoint(tmp) as written:
                 worst = 0.0

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from dcpkit import layout
 from dcpkit.convert.common import DEFAULT_BUDGET, is_model_key, progress, row_blocks, staged_output
 from dcpkit.convert.dcpio import DCPCheckpoint, meta_tensor, nest, write_dcp
 from dcpkit.convert.hf import ConversionResult
@@ -25,7 +24,7 @@ from dcpkit.convert.torchfile import (
     UnsupportedContent,
     walk_refs,
 )
-from dcpkit.integrity import build_manifest, describe_files
+from dcpkit.integrity import build_manifest, data_files, describe_files, write_manifest
 
 
 def to_torch(
@@ -104,9 +103,9 @@ def from_torch(
 
             write_dcp(tmp, state, produce, max_chunk_bytes=budget)
             groups = sorted({k.split(".", 1)[0] if not is_model_key(k) else "model" for k in refs})
-            files = sorted(p.name for p in tmp.iterdir())
-            layout.write_json_durably(
-                tmp / layout.MANIFEST,
+            files = data_files(tmp)
+            write_manifest(
+                tmp,
                 build_manifest(None, 1, groups, describe_files(tmp, files), source=str(pth)),
             )
     return ConversionResult(

@@ -1,0 +1,156 @@
+"""``dcpkit inspect``: what a checkpoint holds. DCP folders, HF safetensors folders and
+``torch.save`` files.
+
+JSON output (``--json``), stable across versions (fields are only ever added)::
+
+    {
+      "path": str, "format": "dcp" | "hf-safetensors" | "torch-save",
+      "step": int | null, "world_size": int | null,
+      "published": bool,          # a step-N folder, as discovery sees it
+      "complete": bool,           # structure and file sizes check out (no checksums; see verify)
+      "problems": [str],          # what makes it incomplete
+      "tensors": [{"name", "group", "dtype", "shape": [int], "bytes", "shards"}],
+      "objects": [str],           # non-tensor values (DCP), by key
+      "groups": {"model" | "optimizer" | "other": {"tensors": int, "bytes": int}},
+      "files": [{"name", "bytes", "rank": int | null}],
+      "total_bytes": int          # bytes of all files
+    }
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from dcpkit import layout
+from dcpkit.convert.common import is_model_key
+from dcpkit.integrity import load_manifest
+from dcpkit.sources import DCP, open_source
+from dcpkit.verify import verify_path
+
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def _group(name: str) -> str:
+    if is_model_key(name):
+        return "model"
+    return "optimizer" if name.startswith("optimizer.") else "other"
+
+
+def inspect_path(path: str | Path) -> dict[str, Any]:
+    """A description of the checkpoint at ``path`` (the JSON schema above)."""
+    p = Path(path)
+    source = open_source(p)
+    try:
+        tensors = []
+        for name in source.names():
+            dtype = source.dtype(name)
+            shape = list(source.shape(name))
+            n = dtype.itemsize
+            for s in shape:
+                n *= s
+            shards = len(source.tensors[name].chunks) if source.kind == DCP else 1
+            tensors.append(
+                {
+                    "name": name,
+                    "group": _group(name),
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "shape": shape,
+                    "bytes": n,
+                    "shards": shards,
+                }
+            )
+        objects = list(source.objects) if source.kind == DCP else []
+    finally:
+        source.close()
+    groups: dict[str, dict[str, int]] = {}
+    for t in tensors:
+        g = groups.setdefault(t["group"], {"tensors": 0, "bytes": 0})
+        g["tensors"] += 1
+        g["bytes"] += t["bytes"]
+    folder = p if p.is_dir() else None
+    files = []
+    if folder is not None:
+        for f in sorted(folder.iterdir()):
+            if f.is_file():
+                m = _RANK_FILE.match(f.name)
+                files.append(
+                    {
+                        "name": f.name,
+                        "bytes": f.stat().st_size,
+                        "rank": int(m.group(1)) if m else None,
+                    }
+                )
+    else:
+        files.append({"name": p.name, "bytes": p.stat().st_size, "rank": None})
+    manifest, _ = load_manifest(folder) if folder is not None else (None, [])
+    step_match = layout.STEP_DIR_RE.match(p.name)
+    step = manifest.get("step") if manifest else None
+    if step is None and step_match:
+        step = int(step_match.group(1))
+    ranks = {f["rank"] for f in files if f["rank"] is not None}
+    world = manifest.get("world_size") if manifest else (len(ranks) or None)
+    report = verify_path(p, checksums=False)
+    return {
+        "path": str(p),
+        "format": source.kind,
+        "step": step,
+        "world_size": world,
+        "published": bool(step_match) and report.ok,
+        "complete": report.ok,
+        "problems": [str(x) for x in report.problems],
+        "tensors": tensors,
+        "objects": objects,
+        "groups": groups,
+        "files": files,
+        "total_bytes": sum(f["bytes"] for f in files),
+    }
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_inspect(info: dict[str, Any], limit: int | None = 60) -> str:
+    """The human-readable report."""
+    lines = [f"{info['path']}  ({info['format']})"]
+    state = "published" if info["published"] else ("complete" if info["complete"] else "INCOMPLETE")
+    lines.append(
+        f"  step {info['step'] if info['step'] is not None else '-'}, "
+        f"world size {info['world_size'] or '-'}, {state}, "
+        f"{_human(info['total_bytes'])} in {len(info['files'])} file(s)"
+    )
+    for problem in info["problems"]:
+        lines.append(f"  problem: {problem}")
+    lines.append("  groups:")
+    for name, g in info["groups"].items():
+        lines.append(f"    {name:<10} {g['tensors']:>6} tensors  {_human(g['bytes']):>10}")
+    if info["objects"]:
+        lines.append(f"    {'values':<10} {len(info['objects']):>6} non-tensor entries")
+    ranks: dict[Any, list[dict]] = {}
+    for f in info["files"]:
+        ranks.setdefault(f["rank"], []).append(f)
+    lines.append("  files:")
+    for rank in sorted(ranks, key=lambda r: (r is None, r or 0)):
+        label = f"rank {rank}" if rank is not None else "shared"
+        for f in ranks[rank]:
+            lines.append(f"    {label:<8} {f['name']:<40} {_human(f['bytes']):>10}")
+    tensors = info["tensors"]
+    shown = tensors if limit is None else tensors[:limit]
+    width = max([len(t["name"]) for t in shown] + [4])
+    lines.append("  tensors:")
+    lines.append(f"    {'name':<{width}}  {'dtype':<9} {'shape':<18} {'bytes':>10} shards")
+    for t in shown:
+        shape = "x".join(map(str, t["shape"])) or "scalar"
+        lines.append(
+            f"    {t['name']:<{width}}  {t['dtype']:<9} {shape:<18} "
+            f"{_human(t['bytes']):>10} {t['shards']:>6}"
+        )
+    if len(shown) < len(tensors):
+        lines.append(f"    ... {len(tensors) - len(shown)} more (--all shows every tensor)")
+    return "\n".join(lines)
