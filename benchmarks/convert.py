@@ -100,9 +100,13 @@ def run_op(code: str, ckpt: Path, out: Path, args: Llama3Args) -> tuple[float, i
     )
     # VmHWM is the peak resident set of this process image (exec starts it afresh, unlike
     # ru_maxrss, which also counts the parent's pages shared at fork).
-    script = prelude + code + (
-        "\nprint('WALL', time.perf_counter() - t0)\n"
-        "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n"
+    script = (
+        prelude
+        + code
+        + (
+            "\nprint('WALL', time.perf_counter() - t0)\n"
+            "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n"
+        )
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     if proc.returncode != 0:

@@ -19,16 +19,16 @@ def world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 
 
-def barrier() -> None:
+def barrier(group: Any = None) -> None:
     if is_dist():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def all_gather_object(obj: Any) -> list[Any]:
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     if not is_dist():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

@@ -15,7 +15,9 @@ ENV = "DCPKIT_FAILPOINT"
 POINTS = ("mid_write", "after_write", "before_publish", "after_publish")
 
 
-def hit(name: str, step: int, rank: int) -> None:
+def hit(name: str, step: int, rank: int, pid: int | None = None) -> None:
+    """Kill ``pid`` (default: this process) with SIGKILL if ``DCPKIT_FAILPOINT`` names this
+    point. A background writer process passes its parent's pid: the training process dies."""
     spec = os.environ.get(ENV)
     if not spec:
         return
@@ -24,4 +26,4 @@ def hit(name: str, step: int, rank: int) -> None:
         return
     if len(parts) > 2 and int(parts[2]) != rank:
         return
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(pid or os.getpid(), signal.SIGKILL)

@@ -19,11 +19,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 
-from dcpkit import dist, failpoints, layout
+from dcpkit import dist, layout
 from dcpkit.config import CheckpointConfig, ConfigError
-from dcpkit.integrity import build_manifest, data_files, describe_files, rank_files, write_manifest
+from dcpkit.integrity import build_manifest, data_files, describe_files, write_manifest
+from dcpkit.publish import StepInfo, StepWriter, write_and_publish
+from dcpkit.staging import AsyncCheckpointer
 from dcpkit.states import (
     DATALOADER,
     LR_SCHEDULER,
@@ -65,21 +67,6 @@ class LoadPlan:
     model_only: bool
     reason: str
     error: str | None = None
-
-
-class _StepWriter(FileSystemWriter):
-    """DCP's filesystem writer, with a crash point once this rank's data is on disk (before
-    rank 0 has written ``.metadata``)."""
-
-    def __init__(self, path: Path, step: int) -> None:
-        super().__init__(str(path))
-        self._step = step
-
-    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
-        future = super().write_data(plan, planner)
-        future.wait()
-        failpoints.hit("mid_write", self._step, dist.rank())
-        return future
 
 
 class CheckpointManager:
@@ -133,6 +120,9 @@ class CheckpointManager:
         if self.config.enable and not self.config.load_only and self.rank == 0:
             layout.clean_leftovers(self.folder)
         dist.barrier()
+        self._async: AsyncCheckpointer | None = None
+        if self.config.enable and not self.config.load_only and config.async_mode != "disabled":
+            self._async = AsyncCheckpointer(config.async_mode)
 
     # ------------------------------------------------------------------ configuration
 
@@ -149,11 +139,6 @@ class CheckpointManager:
             raise ConfigError(
                 f"[checkpoint] exclude_from_loading names {', '.join(map(repr, unknown))}, which "
                 f"this run does not checkpoint; known state keys: {', '.join(self.state_names())}"
-            )
-        if cfg.async_mode != "disabled":
-            raise ConfigError(
-                f"[checkpoint] async_mode = {cfg.async_mode!r} is not available in this version: "
-                "asynchronous saves come with the async checkpointing work; use 'disabled'"
             )
         if (cfg.initial_load_in_hf or cfg.last_save_in_hf) and self.hf_model is None:
             raise ConfigError(
@@ -426,8 +411,10 @@ class CheckpointManager:
         return last_step or step % cfg.interval == 0
 
     def maybe_wait_for_staging(self) -> None:
-        """Block until the state being staged for a save may be modified (before
-        ``optimizer.step()``). Synchronous saves finish inside ``save``: nothing to wait for."""
+        """Block until the state being staged for a save may be modified: call it before
+        ``optimizer.step()``. Only an asynchronous save's memory copy is waited for."""
+        if self._async is not None:
+            self._async.wait_for_staging()
 
     def save(self, step: int, last_step: bool = False, force: bool = False) -> bool:
         """Save at ``step`` if the policy says so (or ``force``). Returns whether it saved."""
@@ -444,6 +431,19 @@ class CheckpointManager:
         model_only = last_step and self.config.last_save_model_only
         state = self.collect(model_only=model_only)
         start = time.perf_counter()
+        if self._async is not None and not (last_step or force):
+            self._async.save(state, self._step_info(step, model_only))
+            self.last_saved_step = step
+            logger.info(
+                "checkpoint: step %d staging (%s), written in the background; %.3fs in save()",
+                step,
+                self.config.async_mode,
+                time.perf_counter() - start,
+            )
+            return True
+        if self._async is not None:
+            # The last (or a forced) save is synchronous and durable: drain the writer first.
+            self._async.wait()
         if model_only and self.config.last_save_in_hf:
             self._write_hf(state, step)
         else:
@@ -482,42 +482,18 @@ class CheckpointManager:
             state[RNG] = {rng_key(self.rank): capture_rng()}
         return state
 
+    def _step_info(self, step: int, model_only: bool) -> StepInfo:
+        return StepInfo(
+            folder=self.folder,
+            step=step,
+            groups=[MODEL] if model_only else self.state_names(),
+            keep_latest_k=self.config.keep_latest_k,
+            dtype=self.config.export_dtype if model_only else None,
+            mesh=self._mesh_info(),
+        )
+
     def _write(self, state: dict[str, Any], step: int, model_only: bool) -> None:
-        tmp = layout.temp_dir(self.folder, step)
-        final = layout.step_dir(self.folder, step)
-        if self.rank == 0:
-            if tmp.exists():
-                layout.clean_leftovers(self.folder)
-            tmp.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        dcp.save(state, storage_writer=_StepWriter(tmp, step), no_dist=not dist.is_dist())
-        failpoints.hit("after_write", step, self.rank)
-        hash_start = time.perf_counter()
-        files = describe_files(tmp, rank_files(tmp, self.rank))
-        self.last_checksum_s = time.perf_counter() - hash_start
-        gathered = dist.all_gather_object(files)
-        if self.rank == 0:
-            all_files: dict[str, Any] = {}
-            for part in gathered:
-                all_files.update(part)
-            all_files.update(describe_files(tmp, [layout.METADATA]))
-            groups = [MODEL] if model_only else self.state_names()
-            manifest = build_manifest(
-                step,
-                self.world_size,
-                groups,
-                all_files,
-                dtype=self.config.export_dtype if model_only else None,
-                mesh=self._mesh_info(),
-            )
-            write_manifest(tmp, manifest)
-            failpoints.hit("before_publish", step, self.rank)
-            layout.publish(tmp, final)
-            failpoints.hit("after_publish", step, self.rank)
-            removed = layout.apply_retention(self.folder, self.config.keep_latest_k)
-            if removed:
-                logger.info("checkpoint: retention removed step %s", ", ".join(map(str, removed)))
-        dist.barrier()
+        self.last_checksum_s = write_and_publish(self._step_info(step, model_only), state)
 
     def _write_hf(self, state: dict[str, Any], step: int) -> None:
         """The last save as Hugging Face safetensors: a model-only DCP save into a temporary
@@ -531,7 +507,7 @@ class CheckpointManager:
             layout.clean_leftovers(self.folder)
             staging.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dcp.save(state, storage_writer=_StepWriter(staging, step), no_dist=not dist.is_dist())
+        dcp.save(state, storage_writer=StepWriter(staging, step), no_dist=not dist.is_dist())
         if self.rank == 0:
             to_hf(
                 staging,
@@ -570,7 +546,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Finish pending work. Synchronous saves are durable when ``save`` returns."""
+        """Drain pending asynchronous saves (raising their errors) and stop the writer."""
+        if self._async is not None:
+            async_ckpt, self._async = self._async, None
+            async_ckpt.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

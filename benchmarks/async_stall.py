@@ -1,0 +1,284 @@
+"""Checkpoint stall benchmark: how long training is blocked per save, by async mode.
+
+    python benchmarks/async_stall.py [--gb 1.5] [--saves 6] [--device cpu|cuda] [--json PATH]
+
+One run measures, for a Llama-shaped model + AdamW state of about ``--gb`` GiB:
+- blocked time per save (``save()`` + ``maybe_wait_for_staging()``), median from the third save,
+  for dcpkit's ``disabled``, ``async`` and ``async_with_pinned_mem`` and for PyTorch's
+  ``dcp.async_save`` with its default stager;
+- the floor: a plain ``copy_`` of the same state into preallocated buffers (on CUDA: into pinned
+  host buffers, non-blocking, then synchronized);
+- total time to durable completion, peak RSS and RSS after every save;
+- synchronous save and load throughput against a raw write+fsync and read of the same bytes,
+  and the share of the save spent on checksums.
+
+Each mode runs in its own process so that its peak RSS is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODES = ["disabled", "async", "async_with_pinned_mem", "torch_async_save"]
+
+
+def _rss(field: str = "VmRSS") -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def build_state(gib: float, device: str):
+    """A Llama 3 shaped model and an AdamW with its state materialized (12 bytes a parameter)."""
+    from dcpkit.models import build_model
+
+    params_wanted = gib * (1 << 30) / 12
+    dim, vocab = 1024, 32000
+    per_layer = 4 * dim * dim + 3 * dim * 2816 + 2 * dim
+    layers = max(1, round((params_wanted - 2 * vocab * dim) / per_layer))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build_model(
+            "llama3",
+            "debugmodel",
+            dim=dim,
+            n_layers=layers,
+            n_heads=16,
+            vocab_size=vocab,
+            multiple_of=256,
+            max_seq_len=64,
+        )
+    model.to_empty(device=device)
+    model.init_weights()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _tensors(model, opt) -> list[torch.Tensor]:
+    out = [p.detach() for p in model.parameters()]
+    for st in opt.state.values():
+        out += [v for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+    return out
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def worker(mode: str, gib: float, saves: int, device: str, work: Path) -> dict:
+    import torch.distributed as td
+
+    from dcpkit import CheckpointConfig, CheckpointManager
+
+    td.init_process_group("gloo", store=td.HashStore(), rank=0, world_size=1)
+    model, opt = build_state(gib, device)
+    tensors = _tensors(model, opt)
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    blocked, total, rss, extra = [], [], [], {}
+    folder = work / mode
+    if mode == "torch_async_save":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        pending = None
+        for i in range(1, saves + 1):
+            msd, osd = get_state_dict(model, opt)
+            t0 = time.perf_counter()
+            pending = dcp.async_save(
+                {"model": msd, "optim": osd}, checkpoint_id=str(folder / f"step-{i}")
+            )
+            blocked.append(time.perf_counter() - t0)
+            pending.result()
+            total.append(time.perf_counter() - t0)
+            rss.append(_rss())
+            shutil.rmtree(folder / f"step-{i - 1}", ignore_errors=True)
+    else:
+        cfg = CheckpointConfig(
+            enable=True, interval=1, keep_latest_k=2, async_mode=mode, verify_on_load=False
+        )
+        mgr = CheckpointManager(cfg, folder, model, optimizer=opt)
+        checksum_share = []
+        for i in range(1, saves + 1):
+            _sync(device)
+            t0 = time.perf_counter()
+            mgr.save(i)
+            mgr.maybe_wait_for_staging()
+            blocked.append(time.perf_counter() - t0)
+            if mgr._async is not None:
+                mgr._async.wait()
+            total.append(time.perf_counter() - t0)
+            rss.append(_rss())
+            if mode == "disabled":
+                checksum_share.append(mgr.last_checksum_s / total[-1])
+        if mode == "disabled":
+            extra["checksum_share_of_save"] = statistics.median(checksum_share)
+            ckpt = folder / "checkpoint" / f"step-{saves}"
+            ckpt_bytes = sum(p.stat().st_size for p in ckpt.iterdir())
+            t0 = time.perf_counter()
+            mgr.load_from(ckpt)
+            _sync(device)
+            extra["load_s"] = time.perf_counter() - t0
+            extra["checkpoint_bytes"] = ckpt_bytes
+            extra.update(_raw_io(tensors, work / "raw.bin"))
+        mgr.close()
+    # The floor: a copy of the same tensors into preallocated host buffers.
+    pin = device == "cuda"
+    buffers = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in tensors]
+    copies = []
+    for _ in range(max(3, saves)):
+        _sync(device)
+        t0 = time.perf_counter()
+        for b, t in zip(buffers, tensors):
+            b.copy_(t, non_blocking=pin)
+        _sync(device)
+        copies.append(time.perf_counter() - t0)
+    td.destroy_process_group()
+    return {
+        "mode": mode,
+        "state_bytes": state_bytes,
+        "blocked_s": blocked,
+        "total_s": total,
+        "rss_after_save": rss,
+        "peak_rss": _rss("VmHWM"),
+        "copy_floor_s": statistics.median(copies[1:]),
+        **extra,
+    }
+
+
+def _raw_io(tensors: list[torch.Tensor], path: Path) -> dict:
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for t in tensors:
+            f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+    read_s = time.perf_counter() - t0
+    size = path.stat().st_size
+    path.unlink()
+    return {"raw_write_fsync_s": write_s, "raw_read_s": read_s, "raw_bytes": size}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=1.5, help="state size in GiB (default 1.5)")
+    parser.add_argument("--saves", type=int, default=6, help="saves per mode (>= 3)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder)")
+    parser.add_argument("--_worker", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.saves < 3:
+        parser.error("--saves must be >= 3 (medians are taken from the third save on)")
+    if opts._worker:
+        res = worker(opts._worker, opts.gb, opts.saves, opts.device, opts.workdir)
+        print("RESULT " + json.dumps(res))
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="dcpkit-stall-", dir=opts.workdir))
+    results = {}
+    try:
+        for mode in MODES:
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--_worker",
+                    mode,
+                    "--gb",
+                    str(opts.gb),
+                    "--saves",
+                    str(opts.saves),
+                    "--device",
+                    opts.device,
+                    "--workdir",
+                    str(work),
+                ],
+                capture_output=True,
+                text=True,
+            )
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                print(f"{mode}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
+                results[mode] = {"mode": mode, "error": proc.stderr[-3000:]}
+                continue
+            results[mode] = json.loads(line[len("RESULT ") :])
+            print(f"  measured {mode}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ok = {m: r for m, r in results.items() if "error" not in r}
+    floor = statistics.median(r["copy_floor_s"] for r in ok.values())
+    sync = statistics.median(ok["disabled"]["blocked_s"][2:]) if "disabled" in ok else None
+    gib = next(iter(ok.values()))["state_bytes"] / (1 << 30)
+    print(
+        f"\nstate: {gib:.2f} GiB (model + AdamW) on {opts.device}; medians from save 3 of "
+        f"{opts.saves}"
+    )
+    floor_name = "pinned D2H copy" if opts.device == "cuda" else "copy_ into buffers"
+    print(f"floor ({floor_name}): {floor:.3f}s")
+    print(
+        f"\n{'mode':<24} {'blocked s':>10} {'x floor':>8} {'x sync':>7} {'durable s':>10} "
+        f"{'peak RSS':>10} {'RSS growth 2->N':>16}"
+    )
+    for mode, r in results.items():
+        if "error" in r:
+            print(f"{mode:<24} failed")
+            continue
+        b = statistics.median(r["blocked_s"][2:])
+        d = statistics.median(r["total_s"][2:])
+        growth = r["rss_after_save"][-1] - r["rss_after_save"][1]
+        r.update(
+            blocked_median_s=b,
+            durable_median_s=d,
+            x_floor=b / floor,
+            x_sync=(b / sync) if sync else None,
+            rss_growth_after_second_save=growth,
+        )
+        xs = f"{b / sync:7.3f}" if sync else "      -"
+        print(
+            f"{mode:<24} {b:>10.3f} {b / floor:>8.2f} {xs} {d:>10.3f} "
+            f"{r['peak_rss'] / (1 << 30):>8.2f} G {growth / (1 << 20):>12.1f} MiB"
+        )
+    if "disabled" in ok:
+        r = ok["disabled"]
+        save_s = statistics.median(r["total_s"][2:])
+        gbps = r["checkpoint_bytes"] / (1 << 30)
+        print(
+            f"\nsync save: {gbps / save_s:.2f} GiB/s vs raw write+fsync "
+            f"{r['raw_bytes'] / (1 << 30) / r['raw_write_fsync_s']:.2f} GiB/s; load: "
+            f"{gbps / r['load_s']:.2f} GiB/s vs raw read "
+            f"{r['raw_bytes'] / (1 << 30) / r['raw_read_s']:.2f} GiB/s"
+        )
+        print(f"checksums: {100 * r['checksum_share_of_save']:.1f}% of the sync save time")
+    if opts.json:
+        opts.json.write_text(
+            json.dumps({"device": opts.device, "floor_s": floor, "results": results}, indent=2)
+            + "\n"
+        )
+        print(f"\nwrote {opts.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""Asynchronous saves: training stalls only for a memory copy.
+
+Protocol, in the order the manager calls it:
+
+1. ``save(state, info)`` waits for the previous save to be durable (raising its error, if any),
+   then starts copying every tensor of ``state`` into staging buffers that are allocated once,
+   for the state's shapes, and reused by every later save: shared memory on CPU, page-locked
+   (pinned) shared memory on CUDA for ``async_with_pinned_mem``, filled by non-blocking copies on
+   a side stream. Non-tensor values are copied at this moment.
+2. ``wait_for_staging()`` (just before ``optimizer.step()``) returns once the copy is done: the
+   only time training is blocked.
+3. A background writer writes the buffers through ``torch.distributed.checkpoint`` and publishes
+   the step with the same atomic rule as a synchronous save: a thread for ``async``, a persistent
+   process per rank for ``async_with_pinned_mem``. Its collectives run on a process group of
+   their own.
+4. ``wait()`` blocks until the last save is durable; ``close()`` drains and stops the writer.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import dataclasses
+import io
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
+from torch.distributed.tensor import DTensor
+
+from dcpkit import dist
+from dcpkit.publish import StepInfo, write_and_publish
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncSaveError(RuntimeError):
+    """A background save failed; raised in the training process, naming the step."""
+
+
+@dataclasses.dataclass
+class StagedStep:
+    """Everything a writer needs besides the buffers: picklable, small."""
+
+    info: StepInfo
+    items: list[WriteItem]
+    mappings: dict[str, Any]
+    objects: dict[str, Any]
+
+
+class StagedPlanner(DefaultSavePlanner):
+    """A save planner over staged buffers: the write items were computed from the live state
+    (DTensor shards keep their global offsets), the data comes from the buffers."""
+
+    def __init__(self, staged: StagedStep, buffers: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.staged = staged
+        self.buffers = buffers
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):  # type: ignore[no-untyped-def]
+        self.state_dict = {}
+        self.mappings = self.staged.mappings
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(list(self.staged.items), planner_data=self.mappings)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):  # type: ignore[no-untyped-def]
+        fqn = write_item.index.fqn
+        if write_item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(self.staged.objects[fqn], buf)
+            buf.seek(0)
+            return buf
+        return self.buffers[fqn]
+
+
+class AsyncCheckpointer:
+    """Staging buffers plus a background writer (a thread, or a persistent process)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.use_process = mode == "async_with_pinned_mem"
+        self.cuda = torch.cuda.is_available()
+        self.pin = self.use_process and self.cuda
+        self.buffers: dict[str, torch.Tensor] = {}
+        self._item_cache: dict[Any, list[WriteItem]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpkit-writer")
+        self._pending: Future | None = None
+        self._pending_step: int | None = None
+        self._staged = threading.Event()
+        self._staged.set()
+        self._copy_error: BaseException | None = None
+        self._stream = torch.cuda.Stream() if self.cuda else None
+        self._copy_event: Any = None
+        self.group = None
+        self._child: _WriterProcess | None = None
+        if self.use_process:
+            self._child = _WriterProcess()
+        elif dist.is_dist():
+            # Collectives of the writer thread must never interleave with training's.
+            self.group = torch_dist.new_group(backend="gloo")
+
+    # -- the manager's calls
+
+    def save(self, state: dict[str, Any], info: StepInfo) -> None:
+        """Start an asynchronous save of ``state``; returns once the copy has been started."""
+        self.wait()
+        flat, mappings = flatten_state_dict(state)
+        items: list[WriteItem] = []
+        objects: dict[str, bytes] = {}
+        sources: dict[str, torch.Tensor] = {}
+        for fqn, obj in flat.items():
+            if isinstance(obj, DTensor):
+                if obj.device_mesh.get_coordinate() is None:
+                    continue
+                sources[fqn] = obj.to_local()
+            elif torch.is_tensor(obj):
+                sources[fqn] = obj
+            else:
+                # Small values; serialized by the writer. Copied now: they may be mutated later.
+                objects[fqn] = copy.deepcopy(obj)
+            items.extend(self._write_items(fqn, obj))
+        new_buffers = self._ensure_buffers(sources)
+        staged = StagedStep(info, items, mappings, objects)
+        self._staged.clear()
+        self._copy_error = None
+        if self.cuda:
+            self._copy_on_side_stream(sources)
+        self._pending_step = info.step
+        self._pending = self._executor.submit(self._run, staged, sources, new_buffers)
+
+    def wait_for_staging(self) -> None:
+        """Block until the copy is done (the state may be modified afterwards)."""
+        if self._copy_event is not None:
+            self._copy_event.synchronize()
+            self._copy_event = None
+        self._staged.wait()
+        if self._copy_error is not None:
+            err, self._copy_error = self._copy_error, None
+            raise AsyncSaveError(
+                f"staging the save of step {self._pending_step} failed: {err}"
+            ) from err
+
+    def wait(self) -> None:
+        """Block until the last save is durable; raise its error, naming the step."""
+        if self._pending is None:
+            return
+        pending, step = self._pending, self._pending_step
+        self._pending = None
+        try:
+            pending.result()
+        except BaseException as e:
+            raise AsyncSaveError(f"the asynchronous save of step {step} failed: {e}") from e
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            if self._child is not None:
+                self._child.stop()
+                self._child = None
+
+    # -- internals
+
+    def _write_items(self, fqn: str, obj: Any) -> list[WriteItem]:
+        """DCP's write items for one entry; they depend on shape, dtype and sharding only, so
+        they are computed once and reused by every later save."""
+        if isinstance(obj, DTensor):
+            key: Any = (
+                fqn,
+                "d",
+                tuple(obj.shape),
+                obj.dtype,
+                tuple(obj.placements),
+                id(obj.device_mesh),
+            )
+        elif torch.is_tensor(obj):
+            key = (fqn, "t", tuple(obj.shape), obj.dtype)
+        else:
+            key = (fqn, "o")
+        items = self._item_cache.get(key)
+        if items is None:
+            items = self._item_cache[key] = _create_write_items(fqn, obj)
+        return items
+
+    def _ensure_buffers(self, sources: dict[str, torch.Tensor]) -> bool:
+        """Allocate buffers for new or changed shapes only; True if any were allocated."""
+        changed = False
+        for fqn, src in sources.items():
+            buf = self.buffers.get(fqn)
+            if buf is not None and buf.shape == src.shape and buf.dtype == src.dtype:
+                continue
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+            if self.use_process:
+                buf.share_memory_()
+            if self.pin and buf.numel():
+                _pin(buf)
+            self.buffers[fqn] = buf
+            changed = True
+        for fqn in set(self.buffers) - set(sources):
+            del self.buffers[fqn]
+            changed = True
+        return changed
+
+    def _copy_on_side_stream(self, sources: dict[str, torch.Tensor]) -> None:
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for fqn, src in sources.items():
+                self.buffers[fqn].copy_(src, non_blocking=src.is_cuda)
+            self._copy_event = torch.cuda.Event()
+            self._copy_event.record(self._stream)
+
+    def _run(self, staged: StagedStep, sources: dict[str, torch.Tensor], new_buffers: bool) -> None:
+        try:
+            if self.cuda:
+                # Already enqueued on the side stream; wait for it here, off the training thread.
+                self._stream.synchronize()  # type: ignore[union-attr]
+            else:
+                for fqn, src in sources.items():
+                    self.buffers[fqn].copy_(src)
+        except BaseException as e:
+            self._copy_error = e
+            raise
+        finally:
+            self._staged.set()
+        if self._child is not None:
+            if new_buffers:  # shared once; every later save reuses them
+                self._child.send_buffers(self.buffers)
+            self._child.write(staged)
+        else:
+            write_and_publish(
+                staged.info, {}, planner=StagedPlanner(staged, self.buffers), group=self.group
+            )
+
+
+def _pin(buf: torch.Tensor) -> None:
+    """Page-lock a shared-memory buffer in place (the copy engine then needs no bounce)."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
+
+
+# --- the persistent writer process ----------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class _WriterProcess:
+    """One writer process per rank; the writers of all ranks form their own process group."""
+
+    def __init__(self) -> None:
+        import torch.multiprocessing as mp
+
+        rank, world = dist.rank(), dist.world_size()
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = dist.broadcast_object(_free_port() if rank == 0 else None)
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_writer_main,
+            args=(child_conn, addr, port, rank, world, os.getpid()),
+            daemon=True,
+            name=f"dcpkit-writer-{rank}",
+        )
+        self.process.start()
+        child_conn.close()
+        self._ready = False
+
+    def _expect(self, kind: str) -> Any:
+        died = RuntimeError(
+            f"the checkpoint writer process died (exit code {self.process.exitcode}); "
+            'a script that starts it needs an `if __name__ == "__main__":` guard'
+        )
+        while not self.conn.poll(1.0):
+            if not self.process.is_alive():
+                raise died
+        try:
+            reply = self.conn.recv()
+        except EOFError:
+            raise died from None
+        if reply[0] == "error":
+            raise RuntimeError(reply[1])
+        if reply[0] != kind:
+            raise RuntimeError(f"unexpected reply from the writer process: {reply[0]}")
+        return reply[1:]
+
+    def send_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        if not self._ready:
+            self._expect("ready")
+            self._ready = True
+        self.conn.send(("buffers", buffers))
+        self._expect("ok")
+
+    def write(self, staged: StagedStep) -> None:
+        self.conn.send(("save", staged))
+        self._expect("saved")
+
+    def stop(self) -> None:
+        try:
+            if self.process.is_alive():
+                self.conn.send(("stop",))
+            self.process.join(timeout=30)
+        except (BrokenPipeError, EOFError, OSError):
+            pass
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def _die_with_parent(parent: int) -> None:
+    """The writer must not outlive the training process (nor publish after it was killed)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _writer_main(conn: Any, addr: str, port: int, rank: int, world: int, parent: int) -> None:
+    _die_with_parent(parent)
+    torch.set_num_threads(1)
+    group = None
+    if world > 1:
+        store = torch_dist.TCPStore(
+            addr,
+            port,
+            world,
+            is_master=rank == 0,
+            timeout=__import__("datetime").timedelta(minutes=10),
+        )
+        torch_dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    conn.send(("ready",))
+    buffers: dict[str, torch.Tensor] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        kind = msg[0]
+        if kind == "stop":
+            break
+        try:
+            if kind == "buffers":
+                buffers = msg[1]
+                conn.send(("ok",))
+            elif kind == "save":
+                staged: StagedStep = msg[1]
+                start = time.perf_counter()
+                write_and_publish(
+                    staged.info,
+                    {},
+                    planner=StagedPlanner(staged, buffers),
+                    group=group,
+                    kill_pid=parent,
+                )
+                conn.send(("saved", time.perf_counter() - start))
+        except BaseException as e:  # reported to the training process, never swallowed
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
