@@ -193,10 +193,11 @@ def test_retention_and_leftovers(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
 
 
-def test_async_modes_are_refused_for_now(tmp_path):
-    model = build_model("llama3", "debugmodel", max_seq_len=8, n_layers=1)
-    with pytest.raises(ConfigError, match="async_mode = 'async'"):
-        CheckpointManager(CheckpointConfig(enable=True, async_mode="ASYNC"), tmp_path, model)
+def test_async_mode_is_case_insensitive():
+    assert CheckpointConfig(async_mode="ASYNC").async_mode == "async"
+    assert CheckpointConfig(async_mode="Async_With_Pinned_Mem").async_mode == (
+        "async_with_pinned_mem"
+    )
 
 
 @pytest.mark.parametrize(
