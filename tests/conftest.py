@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from dcpkit.launch import torchrun_command
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "llama3_debugmodel.toml"
 
@@ -34,20 +36,9 @@ def run_train(
     timeout: int = 300,
 ) -> subprocess.CompletedProcess:
     """The reference trainer under torchrun, as a user runs it."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "dcpkit.train",
-        "--job.config_file",
-        str(CONFIG),
-        "--job.dump_folder",
-        str(dump),
-        *overrides,
-    ]
+    cmd = torchrun_command(
+        nproc, ["--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), *overrides]
+    )
     proc = subprocess.run(
         cmd, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout
     )

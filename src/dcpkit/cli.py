@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from dcpkit import __version__
+from dcpkit.units import human_bytes, parse_size
 
 
 class CLIError(Exception):
@@ -22,14 +23,6 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     from dcpkit.launch import torchrun_command, torchrun_env
 
     return subprocess.call(torchrun_command(args.nproc_per_node, rest), env=torchrun_env())
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _human_age(seconds: float) -> str:
@@ -67,7 +60,7 @@ def _cmd_list(args: argparse.Namespace, rest: list[str]) -> int:
                 row.status = f"CORRUPT ({report.problems[0]})"
         step = "" if row.step is None else str(row.step)
         print(
-            f"{row.name:<18} {step:>8} {_human_bytes(row.size):>10} "
+            f"{row.name:<18} {step:>8} {human_bytes(row.size):>10} "
             f"{_human_age(now - row.mtime):>6}  {row.status}"
         )
     return 0
@@ -132,7 +125,7 @@ def _cmd_diff(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _report(result, verb: str) -> None:  # type: ignore[no-untyped-def]
     print(
-        f"{verb}: {result.tensors} tensors, {_human_bytes(result.bytes)} -> {result.output} "
+        f"{verb}: {result.tensors} tensors, {human_bytes(result.bytes)} -> {result.output} "
         f"in {result.seconds:.1f}s"
     )
     if result.flavor:
@@ -154,8 +147,6 @@ def _report(result, verb: str) -> None:  # type: ignore[no-untyped-def]
 
 
 def _budget(args: argparse.Namespace) -> int:
-    from dcpkit.convert.safetensors_io import parse_size
-
     return parse_size(args.memory_budget)
 
 

@@ -27,6 +27,7 @@ from dcpkit import layout
 from dcpkit.convert.common import is_model_key
 from dcpkit.integrity import load_manifest
 from dcpkit.sources import DCP, open_source
+from dcpkit.units import human_bytes
 from dcpkit.verify import verify_path
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -108,14 +109,6 @@ def inspect_path(path: str | Path) -> dict[str, Any]:
     }
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def format_inspect(info: dict[str, Any], limit: int | None = 60) -> str:
     """The human-readable report."""
     lines = [f"{info['path']}  ({info['format']})"]
@@ -123,13 +116,13 @@ def format_inspect(info: dict[str, Any], limit: int | None = 60) -> str:
     lines.append(
         f"  step {info['step'] if info['step'] is not None else '-'}, "
         f"world size {info['world_size'] or '-'}, {state}, "
-        f"{_human(info['total_bytes'])} in {len(info['files'])} file(s)"
+        f"{human_bytes(info['total_bytes'])} in {len(info['files'])} file(s)"
     )
     for problem in info["problems"]:
         lines.append(f"  problem: {problem}")
     lines.append("  groups:")
     for name, g in info["groups"].items():
-        lines.append(f"    {name:<10} {g['tensors']:>6} tensors  {_human(g['bytes']):>10}")
+        lines.append(f"    {name:<10} {g['tensors']:>6} tensors  {human_bytes(g['bytes']):>10}")
     if info["objects"]:
         lines.append(f"    {'values':<10} {len(info['objects']):>6} non-tensor entries")
     ranks: dict[Any, list[dict]] = {}
@@ -139,7 +132,7 @@ def format_inspect(info: dict[str, Any], limit: int | None = 60) -> str:
     for rank in sorted(ranks, key=lambda r: (r is None, r or 0)):
         label = f"rank {rank}" if rank is not None else "shared"
         for f in ranks[rank]:
-            lines.append(f"    {label:<8} {f['name']:<40} {_human(f['bytes']):>10}")
+            lines.append(f"    {label:<8} {f['name']:<40} {human_bytes(f['bytes']):>10}")
     tensors = info["tensors"]
     shown = tensors if limit is None else tensors[:limit]
     width = max([len(t["name"]) for t in shown] + [4])
@@ -149,7 +142,7 @@ def format_inspect(info: dict[str, Any], limit: int | None = 60) -> str:
         shape = "x".join(map(str, t["shape"])) or "scalar"
         lines.append(
             f"    {t['name']:<{width}}  {t['dtype']:<9} {shape:<18} "
-            f"{_human(t['bytes']):>10} {t['shards']:>6}"
+            f"{human_bytes(t['bytes']):>10} {t['shards']:>6}"
         )
     if len(shown) < len(tensors):
         lines.append(f"    ... {len(tensors) - len(shown)} more (--all shows every tensor)")

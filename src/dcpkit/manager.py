@@ -68,6 +68,10 @@ class LoadPlan:
     reason: str
     error: str | None = None
 
+    @classmethod
+    def failed(cls, error: str) -> LoadPlan:
+        return cls(None, None, False, "", error=error)
+
 
 class CheckpointManager:
     """Saves and restores all training state; usable by any PyTorch trainer.
@@ -154,15 +158,11 @@ class CheckpointManager:
         if cfg.load_step != -1:
             if cfg.load_step not in steps:
                 have = ", ".join(map(str, steps)) or "none"
-                return LoadPlan(
-                    None,
-                    None,
-                    False,
-                    "",
-                    error=(
+                return LoadPlan.failed(
+                    (
                         f"[checkpoint] load_step = {cfg.load_step}, but {self.folder} has no "
-                        f"published "
-                        f"checkpoint step-{cfg.load_step} (published steps: {have}); set load_step "
+                        f"published checkpoint step-{cfg.load_step} (published steps: {have}); "
+                        "set load_step "
                         "to one of them, or to -1 for the latest"
                     ),
                 )
@@ -183,24 +183,16 @@ class CheckpointManager:
         if cfg.initial_load_path:
             path = Path(cfg.initial_load_path)
             if cfg.initial_load_in_hf and not layout.is_hf(path):
-                return LoadPlan(
-                    None,
-                    None,
-                    False,
-                    "",
-                    error=(
+                return LoadPlan.failed(
+                    (
                         f"[checkpoint] initial_load_path {str(path)!r} holds no Hugging Face "
                         "safetensors (model.safetensors or model.safetensors.index.json), and "
                         "initial_load_in_hf = true"
                     ),
                 )
             if not cfg.initial_load_in_hf and not (path / layout.METADATA).is_file():
-                return LoadPlan(
-                    None,
-                    None,
-                    False,
-                    "",
-                    error=(
+                return LoadPlan.failed(
+                    (
                         f"[checkpoint] initial_load_path {str(path)!r} is not a checkpoint (no "
                         f"{layout.METADATA} in it); point it at a step-N folder"
                     ),

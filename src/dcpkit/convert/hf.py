@@ -27,8 +27,9 @@ from dcpkit.convert.common import (
     staged_output,
 )
 from dcpkit.convert.dcpio import DCPCheckpoint, meta_tensor, write_dcp
-from dcpkit.convert.safetensors_io import SafetensorsFolder, SafetensorsWriter, parse_size
+from dcpkit.convert.safetensors_io import SafetensorsFolder, SafetensorsWriter
 from dcpkit.integrity import build_manifest, data_files, describe_files, write_manifest
+from dcpkit.units import parse_size
 
 TOKENIZER_FILES = (
     "tokenizer.json",

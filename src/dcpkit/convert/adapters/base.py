@@ -40,6 +40,71 @@ class RopePermute:
         return w.reshape(n, 2, self.head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def decoder_shapes(
+    vocab: int,
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    ffn: int,
+    per_layer_extra: dict[str, tuple[int, ...]] | None = None,
+) -> dict[str, tuple[int, ...]]:
+    """Shapes of a Llama-style decoder in canonical TorchTitan names."""
+    shapes = {
+        "tok_embeddings.weight": (vocab, dim),
+        "norm.weight": (dim,),
+        "output.weight": (vocab, dim),
+    }
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        shapes.update(
+            {
+                p + "attention.wq.weight": (n_heads * head_dim, dim),
+                p + "attention.wk.weight": (kv_heads * head_dim, dim),
+                p + "attention.wv.weight": (kv_heads * head_dim, dim),
+                p + "attention.wo.weight": (dim, n_heads * head_dim),
+                p + "feed_forward.w1.weight": (ffn, dim),
+                p + "feed_forward.w2.weight": (dim, ffn),
+                p + "feed_forward.w3.weight": (ffn, dim),
+                p + "attention_norm.weight": (dim,),
+                p + "ffn_norm.weight": (dim,),
+            }
+        )
+        for name, shape in (per_layer_extra or {}).items():
+            shapes[p + name] = shape
+    return shapes
+
+
+def decoder_hf_config(
+    args: Any, ffn: int, head_dim: int, dtype: torch.dtype, bos: int | None, eos: int | None
+) -> dict[str, Any]:
+    """The ``config.json`` fields Llama-style decoders share."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "hidden_size": args.dim,
+        "intermediate_size": ffn,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "use_cache": True,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+    }
+
+
 def _compile(pattern: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
 

@@ -6,7 +6,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from dcpkit.convert.adapters.base import ConversionError, ModelAdapter, RopePermute
+from dcpkit.convert.adapters.base import (
+    ConversionError,
+    ModelAdapter,
+    RopePermute,
+    decoder_hf_config,
+    decoder_shapes,
+)
 from dcpkit.models.llama3 import LLAMA3_FLAVORS, Llama3Args, rope_scaling_dict
 
 
@@ -41,61 +47,28 @@ class Llama3Adapter(ModelAdapter):
         return None
 
     def expected_shapes(self, args: Llama3Args) -> dict[str, tuple[int, ...]]:
-        d, hd, ffn = args.dim, args.head_dim, args.ffn_hidden_dim
-        shapes = {
-            "tok_embeddings.weight": (args.vocab_size, d),
-            "norm.weight": (d,),
-            "output.weight": (args.vocab_size, d),
-        }
-        for i in range(args.n_layers):
-            p = f"layers.{i}."
-            shapes.update(
-                {
-                    p + "attention.wq.weight": (args.n_heads * hd, d),
-                    p + "attention.wk.weight": (args.kv_heads * hd, d),
-                    p + "attention.wv.weight": (args.kv_heads * hd, d),
-                    p + "attention.wo.weight": (d, args.n_heads * hd),
-                    p + "feed_forward.w1.weight": (ffn, d),
-                    p + "feed_forward.w2.weight": (d, ffn),
-                    p + "feed_forward.w3.weight": (ffn, d),
-                    p + "attention_norm.weight": (d,),
-                    p + "ffn_norm.weight": (d,),
-                }
-            )
-        return shapes
+        return decoder_shapes(
+            args.vocab_size,
+            args.dim,
+            args.n_layers,
+            args.n_heads,
+            args.kv_heads,
+            args.head_dim,
+            args.ffn_hidden_dim,
+        )
 
     def hf_config(
         self, args: Llama3Args, dtype: torch.dtype, bos: int | None, eos: int | None
     ) -> dict:
-        dtype_name = str(dtype).removeprefix("torch.")
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
-            "hidden_size": args.dim,
-            "intermediate_size": args.ffn_hidden_dim,
-            "num_hidden_layers": args.n_layers,
-            "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "vocab_size": args.vocab_size,
-            "rms_norm_eps": args.norm_eps,
-            "rope_theta": args.rope_theta,
+            **decoder_hf_config(args, args.ffn_hidden_dim, args.head_dim, dtype, bos, eos),
             "rope_scaling": {"rope_type": "llama3", **rope_scaling_dict()}
             if args.rope_scaling
             else None,
-            "max_position_embeddings": args.max_seq_len,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
             "mlp_bias": False,
             "pretraining_tp": 1,
-            "initializer_range": 0.02,
-            "tie_word_embeddings": args.tie_word_embeddings,
-            "use_cache": True,
-            "bos_token_id": bos,
-            "eos_token_id": eos,
-            "torch_dtype": dtype_name,
-            "dtype": dtype_name,
         }
 
     def args_from_hf_config(self, config: dict[str, Any]) -> Llama3Args:

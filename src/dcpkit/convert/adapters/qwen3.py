@@ -8,7 +8,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from dcpkit.convert.adapters.base import ConversionError, ModelAdapter
+from dcpkit.convert.adapters.base import (
+    ConversionError,
+    ModelAdapter,
+    decoder_hf_config,
+    decoder_shapes,
+)
 from dcpkit.convert.adapters.llama3 import Llama3Adapter
 from dcpkit.models.qwen3 import QWEN3_FLAVORS, Qwen3Args
 
@@ -29,62 +34,32 @@ class Qwen3Adapter(ModelAdapter):
     flavors = QWEN3_FLAVORS
 
     def expected_shapes(self, args: Qwen3Args) -> dict[str, tuple[int, ...]]:
-        d, hd, ffn = args.dim, args.head_dim, args.hidden_dim
-        shapes = {
-            "tok_embeddings.weight": (args.vocab_size, d),
-            "norm.weight": (d,),
-            "output.weight": (args.vocab_size, d),
+        norms = {
+            "attention.q_norm.weight": (args.head_dim,),
+            "attention.k_norm.weight": (args.head_dim,),
         }
-        for i in range(args.n_layers):
-            p = f"layers.{i}."
-            shapes.update(
-                {
-                    p + "attention.wq.weight": (args.n_heads * hd, d),
-                    p + "attention.wk.weight": (args.n_kv_heads * hd, d),
-                    p + "attention.wv.weight": (args.n_kv_heads * hd, d),
-                    p + "attention.wo.weight": (d, args.n_heads * hd),
-                    p + "attention.q_norm.weight": (hd,),
-                    p + "attention.k_norm.weight": (hd,),
-                    p + "feed_forward.w1.weight": (ffn, d),
-                    p + "feed_forward.w2.weight": (d, ffn),
-                    p + "feed_forward.w3.weight": (ffn, d),
-                    p + "attention_norm.weight": (d,),
-                    p + "ffn_norm.weight": (d,),
-                }
-            )
-        return shapes
+        return decoder_shapes(
+            args.vocab_size,
+            args.dim,
+            args.n_layers,
+            args.n_heads,
+            args.n_kv_heads,
+            args.head_dim,
+            args.hidden_dim,
+            norms,
+        )
 
     def hf_config(
         self, args: Qwen3Args, dtype: torch.dtype, bos: int | None, eos: int | None
     ) -> dict:
-        dtype_name = str(dtype).removeprefix("torch.")
         return {
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",
-            "hidden_size": args.dim,
-            "intermediate_size": args.hidden_dim,
-            "num_hidden_layers": args.n_layers,
-            "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.n_kv_heads,
-            "head_dim": args.head_dim,
-            "vocab_size": args.vocab_size,
-            "rms_norm_eps": args.norm_eps,
-            "rope_theta": args.rope_theta,
+            **decoder_hf_config(args, args.hidden_dim, args.head_dim, dtype, bos, eos),
             "rope_scaling": None,
-            "max_position_embeddings": args.max_seq_len,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
             "use_sliding_window": False,
             "sliding_window": None,
             "max_window_layers": args.n_layers,
-            "initializer_range": 0.02,
-            "tie_word_embeddings": args.tie_word_embeddings,
-            "use_cache": True,
-            "bos_token_id": bos,
-            "eos_token_id": eos,
-            "torch_dtype": dtype_name,
-            "dtype": dtype_name,
         }
 
     def args_from_hf_config(self, config: dict[str, Any]) -> Qwen3Args:
