@@ -35,9 +35,34 @@ def _human_age(seconds: float) -> str:
     return f"{seconds / 86400:.0f}d"
 
 
+def _cmd_list_remote(url: str) -> int:
+    from dcpkit.remote import Remote, verify_remote
+
+    remote = Remote(url)
+    remote.check_reachable()
+    folders = remote.step_folders()
+    if not folders:
+        print(f"{url}: no checkpoints")
+        return 0
+    print(f"{'checkpoint':<18} {'step':>8} {'size':>10}  status")
+    for step, committed in sorted(folders.items()):
+        name = f"step-{step}"
+        size = sum(remote.size(name, f) for f in remote.ls_names(name))
+        if not committed:
+            status = "incomplete (upload never committed; removed by the next save)"
+        else:
+            problems = verify_remote(remote, name, names=[])
+            status = "published" if not problems else f"CORRUPT ({problems[0]})"
+        print(f"{name:<18} {step:>8} {human_bytes(size):>10}  {status}")
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace, rest: list[str]) -> int:
     from dcpkit import layout
+    from dcpkit.remote import is_url
 
+    if is_url(args.folder):
+        return _cmd_list_remote(args.folder)
     folder = Path(args.folder)
     if not folder.exists():
         raise CLIError(
@@ -66,12 +91,26 @@ def _cmd_list(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _local(path: str | None, keep: list) -> str | None:
+    """A local copy of a remote (``s3://``, ...) checkpoint, downloaded to a temporary folder
+    that lives as long as ``keep``; local paths are returned as they are."""
+    from dcpkit.remote import is_url, materialize
+
+    if path is None or not is_url(path):
+        return path
+    tmp = materialize(path)
+    keep.append(tmp)
+    return str(Path(tmp.name) / path.rstrip("/").rsplit("/", 1)[-1])
+
+
 def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
     import json
 
     from dcpkit.inspect import format_inspect, inspect_path
 
-    info = inspect_path(args.path)
+    keep: list = []
+    info = inspect_path(_local(args.path, keep))
+    info["path"] = args.path
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -82,7 +121,9 @@ def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
     from dcpkit.verify import verify_path
 
-    report = verify_path(args.path, checksums=not args.quick)
+    keep: list = []
+    report = verify_path(_local(args.path, keep), checksums=not args.quick)
+    report.path = Path(args.path) if "://" not in args.path else args.path  # type: ignore[assignment]
     for note in report.notes:
         print(f"note: {note}")
     if report.ok:
@@ -101,7 +142,10 @@ def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_diff(args: argparse.Namespace, rest: list[str]) -> int:
     from dcpkit.diff import diff_paths
 
-    result = diff_paths(args.a, args.b, family=args.model, budget=_budget(args))
+    keep: list = []
+    result = diff_paths(
+        _local(args.a, keep), _local(args.b, keep), family=args.model, budget=_budget(args)
+    )
     for note in result.notes:
         print(f"note: {note}")
     for name in result.only_a:
@@ -153,8 +197,13 @@ def _budget(args: argparse.Namespace) -> int:
 def _cmd_to_torch(args: argparse.Namespace, rest: list[str]) -> int:
     from dcpkit.convert.torch_save import to_torch
 
+    keep: list = []
     result = to_torch(
-        args.ckpt, args.out, model_only=args.model_only, force=args.force, budget=_budget(args)
+        _local(args.ckpt, keep),
+        args.out,
+        model_only=args.model_only,
+        force=args.force,
+        budget=_budget(args),
     )
     _report(result, "to-torch")
     return 0
@@ -183,8 +232,9 @@ def _cmd_to_hf(args: argparse.Namespace, rest: list[str]) -> int:
             "to-hf needs --flavor (e.g. --flavor 8B): head counts cannot be read "
             "from the tensors' shapes"
         )
+    keep: list = []
     result = to_hf(
-        ckpt,
+        _local(ckpt, keep),
         out,
         args.model,
         args.flavor,

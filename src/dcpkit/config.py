@@ -59,6 +59,8 @@ class CheckpointConfig:
     """Check the checkpoint's file sizes and checksums before loading it (ranks split the work)."""
     fallback_on_corruption: bool = False
     """When the latest checkpoint fails verification, load the newest one that passes."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Options for fsspec when ``folder`` is a URL (e.g. ``{endpoint_url = "...", key = ...}``)."""
 
     def __post_init__(self) -> None:
         self.async_mode = str(self.async_mode).lower()
@@ -157,6 +159,19 @@ def coerce_value(section: str, name: str, annotation: Any, value: Any) -> Any:
     if base is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    if origin is dict or base is dict:
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ConfigError(
+                    f"{where} must be a table (JSON on the command line), got {value!r}"
+                ) from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table, got {value!r}")
         return value
     if origin is list:
         (item_type,) = typing.get_args(base) or (str,)

@@ -161,9 +161,9 @@ def check_files(
 
 
 def unlisted_files(folder: Path, manifest: dict[str, Any]) -> list[Problem]:
-    from dcpkit.layout import MANIFEST
+    from dcpkit.layout import COMMIT_MARKER, MANIFEST
 
-    listed = set(manifest["files"]) | {MANIFEST}
+    listed = set(manifest["files"]) | {MANIFEST, COMMIT_MARKER}
     return [
         Problem(p.name, "is not listed in the manifest")
         for p in sorted(folder.iterdir())

@@ -25,6 +25,8 @@ OLD_PREFIX = ".old-step-"
 METADATA = ".metadata"
 MANIFEST = "dcpkit.json"
 HF_INDEX = "model.safetensors.index.json"
+COMMIT_MARKER = ".dcpkit-committed"
+"""Written last into a remote step folder: only then is it a checkpoint (object stores)."""
 
 
 def step_dir(folder: str | Path, step: int) -> Path:

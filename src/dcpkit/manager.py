@@ -25,6 +25,7 @@ from dcpkit import dist, layout
 from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.integrity import build_manifest, data_files, describe_files, write_manifest
 from dcpkit.publish import StepInfo, StepWriter, write_and_publish
+from dcpkit.remote import Remote, RemoteError, is_url, verify_remote
 from dcpkit.staging import AsyncCheckpointer
 from dcpkit.states import (
     DATALOADER,
@@ -96,7 +97,12 @@ class CheckpointManager:
         self.config = config
         self.hf_model = hf_model
         folder = Path(config.folder)
-        self.folder = folder if folder.is_absolute() else Path(base_folder) / folder
+        self.remote: Remote | None = None
+        if is_url(config.folder):
+            self.remote = Remote(config.folder, config.storage_options)
+            self.folder: Any = self.remote.url
+        else:
+            self.folder = folder if folder.is_absolute() else Path(base_folder) / folder
         self.model = ModelState(model)
         self.states: dict[str, Stateful] = {}
         if optimizer is not None:
@@ -121,8 +127,13 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self.last_checksum_s = 0.0
         self.loaded_step: int | None = None
+        if self.remote is not None and self.config.enable:
+            self._check_remote()
         if self.config.enable and not self.config.load_only and self.rank == 0:
-            layout.clean_leftovers(self.folder)
+            if self.remote is not None:
+                self.remote.remove_abandoned()
+            else:
+                layout.clean_leftovers(self.folder)
         dist.barrier()
         self._async: AsyncCheckpointer | None = None
         if self.config.enable and not self.config.load_only and config.async_mode != "disabled":
@@ -152,9 +163,37 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
 
+    def _check_remote(self) -> None:
+        assert self.remote is not None
+        error = None
+        if self.rank == 0:
+            try:
+                self.remote.check_reachable()
+            except RemoteError as e:
+                error = str(e)
+        error = dist.broadcast_object(error)
+        if error:
+            raise CheckpointError(f"[checkpoint] folder {error}")
+        if self.config.last_save_in_hf or self.config.initial_load_in_hf:
+            raise ConfigError(
+                "[checkpoint] last_save_in_hf / initial_load_in_hf work with local folders only; "
+                f"{self.remote.url} is remote: save DCP there and convert with `dcpkit to-hf`"
+            )
+
+    def published_steps(self) -> list[int]:
+        """Steps of the published checkpoints in the checkpoint folder, ascending."""
+        if self.remote is not None:
+            return self.remote.published_steps()
+        return layout.published_steps(self.folder)
+
+    def step_path(self, step: int) -> str:
+        if self.remote is not None:
+            return self.remote.child(f"step-{step}")
+        return str(layout.step_dir(self.folder, step))
+
     def _plan_load(self) -> LoadPlan:
         cfg = self.config
-        steps = layout.published_steps(self.folder)
+        steps = self.published_steps()
         if cfg.load_step != -1:
             if cfg.load_step not in steps:
                 have = ", ".join(map(str, steps)) or "none"
@@ -167,7 +206,7 @@ class CheckpointManager:
                     ),
                 )
             return LoadPlan(
-                str(layout.step_dir(self.folder, cfg.load_step)),
+                self.step_path(cfg.load_step),
                 cfg.load_step,
                 cfg.load_step == 0,
                 f"load_step = {cfg.load_step}",
@@ -177,9 +216,7 @@ class CheckpointManager:
             if cfg.initial_load_path:
                 why += " (initial_load_path is ignored: the checkpoint folder is not empty)"
             # Step 0 is a seed checkpoint: the model only (TorchTitan's rule).
-            return LoadPlan(
-                str(layout.step_dir(self.folder, steps[-1])), steps[-1], steps[-1] == 0, why
-            )
+            return LoadPlan(self.step_path(steps[-1]), steps[-1], steps[-1] == 0, why)
         if cfg.initial_load_path:
             path = Path(cfg.initial_load_path)
             if cfg.initial_load_in_hf and not layout.is_hf(path):
@@ -236,12 +273,19 @@ class CheckpointManager:
         from dcpkit.integrity import load_manifest
         from dcpkit.verify import verify_path
 
-        manifest, _ = load_manifest(Path(path))
-        names = sorted(manifest["files"]) if manifest else []
-        mine = names[self.rank :: self.world_size] if manifest else None
-        report = verify_path(path, checksum_files=mine)
+        if is_url(path):
+            remote = Remote(str(path).rsplit("/", 1)[0], self.config.storage_options)
+            name = str(path).rstrip("/").rsplit("/", 1)[-1]
+            files = remote.ls_names(name)
+            mine = files[self.rank :: self.world_size]
+            problems = [str(p) for p in verify_remote(remote, name, mine)]
+        else:
+            manifest, _ = load_manifest(Path(path))
+            names = sorted(manifest["files"]) if manifest else []
+            mine = names[self.rank :: self.world_size] if manifest else None
+            problems = [str(p) for p in verify_path(path, checksum_files=mine).problems]
         found: set[str] = set()
-        for part in dist.all_gather_object([str(p) for p in report.problems]):
+        for part in dist.all_gather_object(problems):
             found.update(part)
         return sorted(found)
 
@@ -262,8 +306,8 @@ class CheckpointManager:
                 "for the full list; set [checkpoint] fallback_on_corruption = true to load the "
                 "newest intact checkpoint instead, or load_step to choose one"
             )
-        for step in reversed([s for s in layout.published_steps(self.folder) if s < plan.step]):
-            path = layout.step_dir(self.folder, step)
+        for step in reversed([s for s in self.published_steps() if s < plan.step]):
+            path = self.step_path(step)
             if self.rank == 0:
                 logger.warning(
                     "checkpoint: %s failed verification (%s); falling back to %s",
@@ -286,12 +330,14 @@ class CheckpointManager:
 
         Returns the names of the state pieces restored.
         """
-        path = Path(path)
-        if layout.is_hf(path) and not (path / layout.METADATA).is_file():
-            self._load_hf(path)
-            return [MODEL]
+        reader = self._reader(path)
+        if not is_url(path):
+            path = Path(path)
+            if layout.is_hf(path) and not (path / layout.METADATA).is_file():
+                self._load_hf(path)
+                return [MODEL]
         try:
-            metadata = FileSystemReader(str(path)).read_metadata()
+            metadata = reader.read_metadata()
         except FileNotFoundError:
             raise CheckpointError(
                 f"{path} is not a checkpoint: it has no {layout.METADATA}"
@@ -331,7 +377,7 @@ class CheckpointManager:
             rng_plan = self._plan_rng(saved, path)
             if rng_plan is not None:
                 template[RNG] = {rng_key(rng_plan[0]): b""}
-        dcp.load(template, storage_reader=FileSystemReader(str(path)), no_dist=not dist.is_dist())
+        dcp.load(template, storage_reader=self._reader(path), no_dist=not dist.is_dist())
         self.model.load_state_dict({k: template[k] for k in model_sd})
         for name in pieces:
             self.states[name].load_state_dict(template[name])
@@ -341,6 +387,13 @@ class CheckpointManager:
             restore_rng(template[RNG][rng_key(source)], reseed_offset=offset)
             restored.append(RNG)
         return restored
+
+    def _reader(self, path: str | Path) -> Any:
+        if is_url(path):
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            return FsspecReader(str(path), **(self.config.storage_options or {}))
+        return FileSystemReader(str(path))
 
     def _load_hf(self, path: Path) -> None:
         """Load model weights from a Hugging Face folder, one parameter at a time."""
@@ -445,7 +498,7 @@ class CheckpointManager:
             "checkpoint: saved step %d%s to %s in %.2fs (checksums %.3fs)",
             step,
             " (model only, " + self.config.export_dtype + ")" if model_only else "",
-            layout.step_dir(self.folder, step),
+            self.step_path(step),
             time.perf_counter() - start,
             self.last_checksum_s,
         )
@@ -455,7 +508,7 @@ class CheckpointManager:
         """Save the model alone as step 0 (``create_seed_checkpoint``)."""
         self._write(self.collect(model_only=True, cast=False), 0, model_only=True)
         self.last_saved_step = 0
-        return layout.step_dir(self.folder, 0)
+        return Path(self.step_path(0))
 
     def collect(self, model_only: bool = False, cast: bool = True) -> dict[str, Any]:
         """The state dict to write, in TorchTitan's top-level layout."""
@@ -476,12 +529,14 @@ class CheckpointManager:
 
     def _step_info(self, step: int, model_only: bool) -> StepInfo:
         return StepInfo(
-            folder=self.folder,
+            folder=Path(self.folder) if self.remote is None else Path("."),
             step=step,
             groups=[MODEL] if model_only else self.state_names(),
             keep_latest_k=self.config.keep_latest_k,
             dtype=self.config.export_dtype if model_only else None,
             mesh=self._mesh_info(),
+            url=self.remote.url if self.remote is not None else None,
+            storage_options=self.config.storage_options or None,
         )
 
     def _write(self, state: dict[str, Any], step: int, model_only: bool) -> None:

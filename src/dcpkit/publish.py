@@ -51,6 +51,9 @@ class StepInfo:
     dtype: str | None = None
     mesh: dict[str, Any] | None = None
     source: str | None = None
+    url: str | None = None
+    """Set for a remote (fsspec) folder: published with a commit marker instead of a rename."""
+    storage_options: dict[str, Any] | None = None
 
 
 def write_and_publish(
@@ -61,6 +64,10 @@ def write_and_publish(
     kill_pid: int | None = None,
 ) -> float:
     """Write ``state`` as step ``info.step`` and publish it. Returns the checksum seconds."""
+    if info.url is not None:
+        from dcpkit.remote import write_and_publish_remote
+
+        return write_and_publish_remote(info, state, planner, group, kill_pid)
     rank = dist.rank()
     world = dist.world_size()
     tmp = layout.temp_dir(info.folder, info.step)

@@ -1,0 +1,311 @@
+"""Checkpoints on object stores and other fsspec file systems (``s3://``, ``gs://``,
+``memory://``, ...).
+
+Rename is not atomic on an object store, so a remote checkpoint is published differently: every
+rank's data, ``.metadata`` and the manifest are uploaded straight into ``step-N/``, and a commit
+marker, written last, makes it a checkpoint. Discovery sees only folders with the marker;
+folders without it are abandoned uploads, removed by the next run. Retention deletes the marker
+first, so a half-deleted checkpoint is never taken for a complete one.
+
+Credentials and endpoint come from the standard environment (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ...) or from ``[checkpoint] storage_options``,
+passed to fsspec as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from dcpkit import dist, failpoints
+from dcpkit.integrity import (
+    CHECKSUM_ALGORITHM,
+    MANIFEST_SEAL,
+    Problem,
+    _seal,
+    build_manifest,
+)
+from dcpkit.layout import COMMIT_MARKER, MANIFEST, METADATA, STEP_DIR_RE
+
+logger = logging.getLogger(__name__)
+
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+def is_url(path: Any) -> bool:
+    """An fsspec URL other than ``file://`` (local paths keep dcpkit's rename-based publish)."""
+    text = str(path)
+    return bool(_URL.match(text)) and not text.startswith("file://")
+
+
+class RemoteError(RuntimeError):
+    """A remote location cannot be used; the message names the URL and what to check."""
+
+
+@dataclass
+class Remote:
+    """An fsspec file system and a root URL on it."""
+
+    url: str
+    storage_options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            import fsspec
+        except ImportError:
+            raise RemoteError(
+                f"{self.url}: remote storage needs fsspec and the file system's package "
+                "(pip install 'dcpkit[remote]', i.e. fsspec and s3fs)"
+            ) from None
+        self.url = self.url.rstrip("/")
+        try:
+            self.fs, self.path = fsspec.core.url_to_fs(self.url, **(self.storage_options or {}))
+        except (ImportError, ValueError) as e:
+            raise RemoteError(f"{self.url}: {e}") from None
+
+    def child(self, *parts: str) -> str:
+        return "/".join([self.url, *parts])
+
+    def _p(self, *parts: str) -> str:
+        return "/".join([self.path, *parts])
+
+    def check_reachable(self) -> None:
+        """Fail early, naming the URL, on a missing bucket or rejected credentials."""
+        bucket = self.path.split("/", 1)[0]
+        if self.fs.protocol in ("memory",) or "memory" in self.fs.protocol:
+            return
+        try:
+            self.fs.ls(bucket, detail=False, refresh=True)
+        except FileNotFoundError:
+            raise RemoteError(
+                f"{self.url}: the bucket {bucket!r} does not exist; create it or fix the URL"
+            ) from None
+        except PermissionError as e:
+            raise RemoteError(
+                f"{self.url}: the credentials were rejected ({e}); check AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL) or [checkpoint] storage_options"
+            ) from None
+        except Exception as e:  # botocore/s3fs errors vary by version
+            raise RemoteError(_explain(self.url, e)) from None
+
+    # -- listing
+
+    def ls_names(self, *parts: str) -> list[str]:
+        try:
+            entries = self.fs.ls(self._p(*parts), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise RemoteError(_explain(self.child(*parts), e)) from None
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def exists(self, *parts: str) -> bool:
+        self.fs.invalidate_cache()
+        return self.fs.exists(self._p(*parts))
+
+    def size(self, *parts: str) -> int:
+        return int(self.fs.info(self._p(*parts))["size"])
+
+    def read_bytes(self, *parts: str) -> bytes:
+        with self.fs.open(self._p(*parts), "rb") as f:
+            return f.read()
+
+    def write_bytes(self, data: bytes, *parts: str) -> None:
+        with self.fs.open(self._p(*parts), "wb") as f:
+            f.write(data)
+
+    def checksum(self, *parts: str) -> str:
+        h = xxhash.xxh3_64()
+        with self.fs.open(self._p(*parts), "rb", block_size=8 << 20) as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def rm(self, *parts: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._p(*parts), recursive=True)
+
+    # -- checkpoints under this root
+
+    def step_folders(self) -> dict[int, bool]:
+        """``{step: committed}`` for every ``step-N`` folder."""
+        out = {}
+        for name in self.ls_names():
+            m = STEP_DIR_RE.match(name)
+            if m:
+                out[int(m.group(1))] = COMMIT_MARKER in self.ls_names(name)
+        return out
+
+    def published_steps(self) -> list[int]:
+        return sorted(s for s, committed in self.step_folders().items() if committed)
+
+    def remove_abandoned(self) -> list[int]:
+        abandoned = sorted(s for s, committed in self.step_folders().items() if not committed)
+        for step in abandoned:
+            logger.warning(
+                "removing %s, an upload that never committed", self.child(f"step-{step}")
+            )
+            self.rm(f"step-{step}")
+        return abandoned
+
+    def apply_retention(self, keep_latest_k: int) -> list[int]:
+        if keep_latest_k <= 0:
+            return []
+        steps = self.published_steps()
+        doomed = steps[:-keep_latest_k] if len(steps) > keep_latest_k else []
+        for step in doomed:
+            self.rm(f"step-{step}", COMMIT_MARKER)  # uncommit first: never half-deleted
+            self.rm(f"step-{step}")
+        return doomed
+
+    def download(self, name: str, dest: Path) -> Path:
+        """Copy folder ``name`` (or the root when empty) to ``dest``, file by file."""
+        dest.mkdir(parents=True, exist_ok=True)
+        for file in self.ls_names(*([name] if name else [])):
+            parts = [name, file] if name else [file]
+            self.fs.get(self._p(*parts), str(dest / file))
+        return dest
+
+
+def _explain(url: str, e: Exception) -> str:
+    text = str(e) or type(e).__name__
+    lowered = text.lower()
+    if any(
+        s in lowered
+        for s in (
+            "invalidaccesskeyid",
+            "signaturedoesnotmatch",
+            "access denied",
+            "accessdenied",
+            "forbidden",
+            "credentials",
+        )
+    ):
+        return (
+            f"{url}: the credentials were rejected ({text}); check AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY or [checkpoint] storage_options"
+        )
+    if "bucket" in lowered and ("not exist" in lowered or "nosuchbucket" in lowered):
+        return f"{url}: the bucket does not exist ({text}); create it or fix the URL"
+    return f"{url}: {type(e).__name__}: {text}"
+
+
+# --- writing one step ----------------------------------------------------------------------------
+
+
+def write_and_publish_remote(
+    info: Any,
+    state: dict[str, Any],
+    planner: Any = None,
+    group: Any = None,
+    kill_pid: int | None = None,
+) -> float:
+    """The remote twin of ``publish.write_and_publish``: upload into ``step-N/``, checksum,
+    manifest, then the commit marker, then retention."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    remote = Remote(info.url, info.storage_options)
+    rank, world = dist.rank(), dist.world_size()
+    name = f"step-{info.step}"
+    if rank == 0 and remote.exists(name):
+        remote.rm(name)  # an abandoned upload of this step, or a re-save
+    dist.barrier(group)
+    writer = FsspecWriter(remote.child(name), **(info.storage_options or {}))
+    dcp.save(
+        state,
+        storage_writer=writer,
+        planner=planner,
+        process_group=group,
+        no_dist=not dist.is_dist(),
+    )
+    failpoints.hit("after_write", info.step, rank, kill_pid)
+    start = time.perf_counter()
+    mine = [f for f in remote.ls_names(name) if f.startswith(f"__{rank}_")]
+    files = {
+        f: {"size": remote.size(name, f), CHECKSUM_ALGORITHM: remote.checksum(name, f)}
+        for f in mine
+    }
+    checksum_s = time.perf_counter() - start
+    gathered = dist.all_gather_object(files, group)
+    if rank == 0:
+        all_files: dict[str, Any] = {}
+        for part in gathered:
+            all_files.update(part)
+        all_files[METADATA] = {
+            "size": remote.size(name, METADATA),
+            CHECKSUM_ALGORITHM: remote.checksum(name, METADATA),
+        }
+        manifest = build_manifest(
+            info.step,
+            world,
+            info.groups,
+            all_files,
+            dtype=info.dtype,
+            mesh=info.mesh,
+            source=info.source,
+        )
+        manifest[MANIFEST_SEAL] = _seal(manifest)
+        remote.write_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(), name, MANIFEST)
+        failpoints.hit("before_publish", info.step, rank, kill_pid)
+        remote.write_bytes(b"", name, COMMIT_MARKER)
+        failpoints.hit("after_publish", info.step, rank, kill_pid)
+        removed = remote.apply_retention(info.keep_latest_k)
+        if removed:
+            logger.info("checkpoint: retention removed step %s", ", ".join(map(str, removed)))
+    dist.barrier(group)
+    return checksum_s
+
+
+def verify_remote(remote: Remote, name: str, names: list[str] | None = None) -> list[Problem]:
+    """Marker, manifest, sizes and checksums of ``name`` on the remote (``names``: only these
+    files' checksums)."""
+    problems = []
+    files = remote.ls_names(name)
+    if COMMIT_MARKER not in files:
+        problems.append(Problem(COMMIT_MARKER, "is missing: the upload never committed"))
+    if MANIFEST not in files:
+        problems.append(Problem(MANIFEST, "is missing: checksums cannot be checked"))
+        return problems
+    try:
+        manifest = json.loads(remote.read_bytes(name, MANIFEST))
+    except ValueError as e:
+        return [*problems, Problem(MANIFEST, f"cannot be parsed ({e})")]
+    if manifest.get(MANIFEST_SEAL) != _seal(manifest):
+        problems.append(Problem(MANIFEST, "was altered: its content does not match its checksum"))
+    for file, expected in manifest["files"].items():
+        if file not in files:
+            problems.append(Problem(file, "is missing"))
+            continue
+        if remote.size(name, file) != expected["size"]:
+            problems.append(Problem(file, "has the wrong size: truncated or replaced"))
+        elif (names is None or file in names) and (
+            remote.checksum(name, file) != expected[CHECKSUM_ALGORITHM]
+        ):
+            problems.append(Problem(file, "checksum mismatch"))
+    return problems
+
+
+def materialize(url: str, storage_options: dict | None = None) -> tempfile.TemporaryDirectory:
+    """Download a remote checkpoint folder (or file) to a temporary folder for the tools that
+    read local files. The caller keeps the returned object alive while it reads."""
+    remote = Remote(url, storage_options)
+    remote.check_reachable()
+    tmp = tempfile.TemporaryDirectory(prefix="dcpkit-remote-")
+    base = url.rstrip("/").rsplit("/", 1)[-1]
+    if remote.fs.isfile(remote.path):
+        remote.fs.get(remote.path, str(Path(tmp.name) / base))
+    else:
+        if not remote.fs.exists(remote.path):
+            raise FileNotFoundError(f"{url} does not exist")
+        remote.download("", Path(tmp.name) / base)
+    return tmp

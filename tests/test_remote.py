@@ -1,0 +1,185 @@
+"""Checkpoints on S3: a real S3-compatible server (moto) on loopback, s3fs, real torchrun runs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import read_metrics, run_train
+from dcpkit.layout import COMMIT_MARKER
+
+BUCKET = "dcpkit-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_moto(log_path, extra_env=None) -> tuple[subprocess.Popen, int]:
+    """A moto S3 server on 127.0.0.1 (a real HTTP server speaking the S3 protocol)."""
+    port = _free_port()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(extra_env or {})},
+        )
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, port
+        except OSError:
+            if time.time() > deadline or server.poll() is not None:
+                server.kill()
+                raise RuntimeError("the moto S3 server did not start") from None
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server, with credentials and endpoint in the environment."""
+    server, port = _start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        fs.mkdir(BUCKET)
+        yield fs
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dcpkit.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.dist
+def test_train_on_s3_and_resume_bitwise(s3, reference_run, tmp_path):
+    url = f"s3://{BUCKET}/run/checkpoint"
+    dump = tmp_path / "dump"
+    run_train(2, dump, "--checkpoint.folder", url, "--training.stop_at_step", "10")
+    assert sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/run/checkpoint")) == [
+        "step-10",
+        "step-5",
+    ]
+    assert s3.exists(f"{BUCKET}/run/checkpoint/step-10/{COMMIT_MARKER}")
+    proc = run_train(2, dump, "--checkpoint.folder", url, "--checkpoint.async_mode", "async")
+    assert f"loaded {url}/step-10" in proc.stdout
+    ref, got = read_metrics(reference_run), read_metrics(dump)
+    for step in range(1, 21):
+        assert got[step]["loss"] == ref[step]["loss"], f"step {step}"
+
+    # The tools read s3:// paths.
+    proc = _cli("list", url)
+    assert proc.returncode == 0 and "step-20" in proc.stdout and "published" in proc.stdout
+    proc = _cli("verify", f"{url}/step-20")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _cli("inspect", f"{url}/step-20", "--json")
+    assert proc.returncode == 0 and '"world_size": 2' in proc.stdout
+    proc = _cli("to-hf", f"{url}/step-20", str(tmp_path / "hf"), "--flavor", "debugmodel")
+    assert proc.returncode == 0, proc.stderr
+    proc = _cli("to-torch", f"{url}/step-20", str(tmp_path / "m.pth"), "--model-only")
+    assert proc.returncode == 0, proc.stderr
+    proc = _cli("diff", f"{url}/step-20", str(tmp_path / "hf"))
+    assert proc.returncode == 0 and "57 identical" in proc.stdout
+
+
+@pytest.mark.dist
+def test_writer_killed_mid_upload_is_never_picked(s3, reference_run, tmp_path):
+    url = f"s3://{BUCKET}/killed/checkpoint"
+    dump = tmp_path / "dump"
+    proc = run_train(
+        2,
+        dump,
+        "--checkpoint.folder",
+        url,
+        env={"DCPKIT_FAILPOINT": "before_publish:10:0"},
+        check=False,
+    )
+    assert proc.returncode != 0
+    # Data, metadata and manifest of step 10 were uploaded, the commit marker was not.
+    assert s3.exists(f"{BUCKET}/killed/checkpoint/step-10/.metadata")
+    assert not s3.exists(f"{BUCKET}/killed/checkpoint/step-10/{COMMIT_MARKER}")
+    listing = _cli("list", url).stdout
+    assert "incomplete" in listing.split("step-10")[1].splitlines()[0]
+    proc = run_train(2, dump, "--checkpoint.folder", url)
+    assert f"loaded {url}/step-5" in proc.stdout
+    ref, got = read_metrics(reference_run), read_metrics(dump)
+    for step in range(6, 21):
+        assert got[step]["loss"] == ref[step]["loss"], f"step {step}"
+
+
+def test_missing_bucket_and_bad_url_name_the_url(s3, tmp_path):
+    proc = _cli("list", "s3://no-such-bucket/run")
+    assert proc.returncode != 0 and "s3://no-such-bucket/run" in proc.stderr
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dcpkit.train",
+            "--job.config_file",
+            str(__import__("conftest").CONFIG),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--checkpoint.folder",
+            "s3://no-such-bucket/run/checkpoint",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "s3://no-such-bucket/run/checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_wrong_credentials_name_the_url(tmp_path):
+    # A server that checks every request's credentials: unknown keys are rejected.
+    server, port = _start_moto(tmp_path / "moto.log", {"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        env = {
+            **os.environ,
+            "AWS_ACCESS_KEY_ID": "wrong",
+            "AWS_SECRET_ACCESS_KEY": "wrong",
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        proc = subprocess.run(
+            [sys.executable, "-m", "dcpkit.cli", "list", "s3://any/run"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert proc.returncode != 0
+    assert "s3://any/run: the credentials were rejected" in proc.stderr
+    assert "Traceback" not in proc.stderr
