@@ -247,3 +247,26 @@ def test_trainer_initial_load_in_hf_and_last_save_in_hf(stopped_run, tmp_path):
     assert layout.published_steps(from_hf_run / "checkpoint") == [2]
     model = AutoModelForCausalLM.from_pretrained(str(final))
     assert model.config.torch_dtype == torch.bfloat16 or model.dtype == torch.bfloat16
+
+
+def test_seed_checkpoint_then_training_starts_from_it(tmp_path):
+    dump = tmp_path / "seeded"
+    proc = run_train(1, dump, "--checkpoint.create_seed_checkpoint", "true", "--training.seed", "7")
+    assert "seed checkpoint written" in proc.stdout
+    assert layout.published_steps(dump / "checkpoint") == [0]
+    manifest = layout.read_manifest(dump / "checkpoint" / "step-0")
+    assert manifest["model_only"] and manifest["world_size"] == 1
+    # 2 ranks with another seed: the weights come from the seed checkpoint (model only), and
+    # training starts at step 1.
+    proc = run_train(2, dump, "--training.steps", "2", "--training.seed", "0")
+    assert "step-0" in proc.stdout and "model)" in proc.stdout
+    seeded = read_metrics(dump)
+    plain = tmp_path / "plain"
+    run_train(2, plain, "--training.steps", "2", "--training.seed", "0")
+    assert sorted(seeded) == [1, 2]
+    assert seeded[1]["loss"] != read_metrics(plain)[1]["loss"]
+    # The same seed checkpoint gives the same start at another world size.
+    again = tmp_path / "again"
+    shutil.copytree(dump / "checkpoint" / "step-0", again / "checkpoint" / "step-0")
+    run_train(1, again, "--training.steps", "1", "--training.seed", "0")
+    assert abs(read_metrics(again)[1]["loss"] - seeded[1]["loss"]) < 1e-5
