@@ -56,6 +56,37 @@ class StepInfo:
     storage_options: dict[str, Any] | None = None
 
 
+class _LocalTarget:
+    """Publish by rename: write ``.tmp-step-N``, then one rename makes it ``step-N``."""
+
+    def __init__(self, info: StepInfo, kill_pid: int | None) -> None:
+        self.info, self.kill_pid = info, kill_pid
+        self.tmp = layout.temp_dir(info.folder, info.step)
+
+    def prepare(self) -> None:
+        if self.tmp.exists():
+            layout.clean_leftovers(self.info.folder)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+
+    def writer(self) -> Any:
+        return StepWriter(self.tmp, self.info.step, self.kill_pid)
+
+    def describe(self, names: list[str]) -> dict[str, Any]:
+        return describe_files(self.tmp, names)
+
+    def own_files(self, rank: int) -> list[str]:
+        return rank_files(self.tmp, rank)
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        write_manifest(self.tmp, manifest)
+
+    def commit(self) -> None:
+        layout.publish(self.tmp, layout.step_dir(self.info.folder, self.info.step))
+
+    def retention(self) -> list[int]:
+        return layout.apply_retention(self.info.folder, self.info.keep_latest_k)
+
+
 def write_and_publish(
     info: StepInfo,
     state: dict[str, Any],
@@ -63,51 +94,52 @@ def write_and_publish(
     group: Any = None,
     kill_pid: int | None = None,
 ) -> float:
-    """Write ``state`` as step ``info.step`` and publish it. Returns the checksum seconds."""
-    if info.url is not None:
-        from dcpkit.remote import write_and_publish_remote
+    """Write ``state`` as step ``info.step`` and publish it. Returns the checksum seconds.
 
-        return write_and_publish_remote(info, state, planner, group, kill_pid)
+    The publish strategy is a rename for local folders and a commit marker for remote ones
+    (``info.url``); the order of the steps is the same.
+    """
+    if info.url is not None:
+        from dcpkit.remote import RemoteTarget
+
+        target: Any = RemoteTarget(info)
+    else:
+        target = _LocalTarget(info, kill_pid)
     rank = dist.rank()
-    world = dist.world_size()
-    tmp = layout.temp_dir(info.folder, info.step)
-    final = layout.step_dir(info.folder, info.step)
     if rank == 0:
-        if tmp.exists():
-            layout.clean_leftovers(info.folder)
-        tmp.mkdir(parents=True, exist_ok=True)
+        target.prepare()
     dist.barrier(group)
     dcp.save(
         state,
-        storage_writer=StepWriter(tmp, info.step, kill_pid),
+        storage_writer=target.writer(),
         planner=planner,
         process_group=group,
         no_dist=not dist.is_dist(),
     )
     failpoints.hit("after_write", info.step, rank, kill_pid)
     start = time.perf_counter()
-    files = describe_files(tmp, rank_files(tmp, rank))
+    files = target.describe(target.own_files(rank))
     checksum_s = time.perf_counter() - start
     gathered = dist.all_gather_object(files, group)
     if rank == 0:
         all_files: dict[str, Any] = {}
         for part in gathered:
             all_files.update(part)
-        all_files.update(describe_files(tmp, [layout.METADATA]))
+        all_files.update(target.describe([layout.METADATA]))
         manifest = build_manifest(
             info.step,
-            world,
+            dist.world_size(),
             info.groups,
             all_files,
             dtype=info.dtype,
             mesh=info.mesh,
             source=info.source,
         )
-        write_manifest(tmp, manifest)
+        target.write_manifest(manifest)
         failpoints.hit("before_publish", info.step, rank, kill_pid)
-        layout.publish(tmp, final)
+        target.commit()
         failpoints.hit("after_publish", info.step, rank, kill_pid)
-        removed = layout.apply_retention(info.folder, info.keep_latest_k)
+        removed = target.retention()
         if removed:
             logger.info("checkpoint: retention removed step %s", ", ".join(map(str, removed)))
     dist.barrier(group)

@@ -19,22 +19,14 @@ import json
 import logging
 import re
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from dcpkit import dist, failpoints
-from dcpkit.integrity import (
-    CHECKSUM_ALGORITHM,
-    MANIFEST_SEAL,
-    Problem,
-    _seal,
-    build_manifest,
-)
-from dcpkit.layout import COMMIT_MARKER, MANIFEST, METADATA, STEP_DIR_RE
+from dcpkit.integrity import CHECKSUM_ALGORITHM, MANIFEST_SEAL, Problem, _seal
+from dcpkit.layout import COMMIT_MARKER, MANIFEST, STEP_DIR_RE
 
 logger = logging.getLogger(__name__)
 
@@ -202,68 +194,47 @@ def _explain(url: str, e: Exception) -> str:
 # --- writing one step ----------------------------------------------------------------------------
 
 
-def write_and_publish_remote(
-    info: Any,
-    state: dict[str, Any],
-    planner: Any = None,
-    group: Any = None,
-    kill_pid: int | None = None,
-) -> float:
-    """The remote twin of ``publish.write_and_publish``: upload into ``step-N/``, checksum,
-    manifest, then the commit marker, then retention."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+class RemoteTarget:
+    """Publish by commit marker: upload into ``step-N/``, the manifest, then the marker last
+    (``publish.write_and_publish`` calls these in order)."""
 
-    remote = Remote(info.url, info.storage_options)
-    rank, world = dist.rank(), dist.world_size()
-    name = f"step-{info.step}"
-    if rank == 0 and remote.exists(name):
-        remote.rm(name)  # an abandoned upload of this step, or a re-save
-    dist.barrier(group)
-    writer = FsspecWriter(remote.child(name), **(info.storage_options or {}))
-    dcp.save(
-        state,
-        storage_writer=writer,
-        planner=planner,
-        process_group=group,
-        no_dist=not dist.is_dist(),
-    )
-    failpoints.hit("after_write", info.step, rank, kill_pid)
-    start = time.perf_counter()
-    mine = [f for f in remote.ls_names(name) if f.startswith(f"__{rank}_")]
-    files = {
-        f: {"size": remote.size(name, f), CHECKSUM_ALGORITHM: remote.checksum(name, f)}
-        for f in mine
-    }
-    checksum_s = time.perf_counter() - start
-    gathered = dist.all_gather_object(files, group)
-    if rank == 0:
-        all_files: dict[str, Any] = {}
-        for part in gathered:
-            all_files.update(part)
-        all_files[METADATA] = {
-            "size": remote.size(name, METADATA),
-            CHECKSUM_ALGORITHM: remote.checksum(name, METADATA),
+    def __init__(self, info: Any) -> None:
+        self.info = info
+        self.remote = Remote(info.url, info.storage_options)
+        self.name = f"step-{info.step}"
+
+    def prepare(self) -> None:
+        if self.remote.exists(self.name):
+            self.remote.rm(self.name)  # an abandoned upload of this step, or a re-save
+
+    def writer(self) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(self.remote.child(self.name), **(self.info.storage_options or {}))
+
+    def own_files(self, rank: int) -> list[str]:
+        return [f for f in self.remote.ls_names(self.name) if f.startswith(f"__{rank}_")]
+
+    def describe(self, names: list[str]) -> dict[str, Any]:
+        return {
+            f: {
+                "size": self.remote.size(self.name, f),
+                CHECKSUM_ALGORITHM: self.remote.checksum(self.name, f),
+            }
+            for f in names
         }
-        manifest = build_manifest(
-            info.step,
-            world,
-            info.groups,
-            all_files,
-            dtype=info.dtype,
-            mesh=info.mesh,
-            source=info.source,
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        sealed = {**manifest, MANIFEST_SEAL: _seal(manifest)}
+        self.remote.write_bytes(
+            json.dumps(sealed, indent=1, sort_keys=True).encode(), self.name, MANIFEST
         )
-        manifest[MANIFEST_SEAL] = _seal(manifest)
-        remote.write_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(), name, MANIFEST)
-        failpoints.hit("before_publish", info.step, rank, kill_pid)
-        remote.write_bytes(b"", name, COMMIT_MARKER)
-        failpoints.hit("after_publish", info.step, rank, kill_pid)
-        removed = remote.apply_retention(info.keep_latest_k)
-        if removed:
-            logger.info("checkpoint: retention removed step %s", ", ".join(map(str, removed)))
-    dist.barrier(group)
-    return checksum_s
+
+    def commit(self) -> None:
+        self.remote.write_bytes(b"", self.name, COMMIT_MARKER)
+
+    def retention(self) -> list[int]:
+        return self.remote.apply_retention(self.info.keep_latest_k)
 
 
 def verify_remote(remote: Remote, name: str, names: list[str] | None = None) -> list[Problem]:
