@@ -90,8 +90,10 @@ def test_memory_is_flat_and_buffers_reused(mode, tmp_path, process_group):
         buffer_ids.append({k: v.data_ptr() for k, v in mgr._async.buffers.items()})
     mgr.close()
     assert all(ids == buffer_ids[0] for ids in buffer_ids)  # allocated once, reused
-    growth = max(rss[2:]) - rss[1]
-    assert growth < 0.1 * state_bytes, (growth, state_bytes, rss)
+    # Flat after the second save: no later save adds memory beyond allocator noise (a leaked
+    # set of buffers would add the whole state, 180 MiB, per save).
+    growth = max(rss[2:]) - max(rss[:2])
+    assert growth < 0.15 * state_bytes, (growth, state_bytes, rss)
     assert layout.published_steps(tmp_path / "checkpoint") == [9, 10]
     # What was written is the state at save time (step 10's), not later.
     fresh = build_model("llama3", "debugmodel", max_seq_len=16, dim=512, n_layers=4)

@@ -37,7 +37,7 @@ def test_convert_benchmark_small(tmp_path):
         "dcpkit from-hf",
         "torch dcp_to_torch_save",
     }
-    assert data["checkpoint_bytes"] > 0.3 * (1 << 30)
+    assert data["checkpoint_bytes"] > 0.5 * (1 << 30)
     # PyTorch's consolidation holds the whole checkpoint; the streaming ones do not.
     ref = results["torch dcp_to_torch_save"]["rss_above_baseline_bytes"]
     for name in ("dcpkit to-torch", "dcpkit to-hf", "dcpkit from-hf"):
