@@ -17,7 +17,7 @@ def test_convert_benchmark_small(tmp_path):
             sys.executable,
             str(ROOT / "benchmarks" / "convert.py"),
             "--gb",
-            "0.4",
+            "0.6",
             "--json",
             str(out),
             "--workdir",
