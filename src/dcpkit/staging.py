@@ -286,6 +286,7 @@ class _WriterProcess:
         self.process.start()
         child_conn.close()
         self._ready = False
+        self._sent_plan: tuple[list[WriteItem], dict[str, Any]] | None = None
 
     def _expect(self, kind: str) -> Any:
         died = RuntimeError(
@@ -313,7 +314,19 @@ class _WriterProcess:
         self._expect("ok")
 
     def write(self, staged: StagedStep) -> None:
-        self.conn.send(("save", staged))
+        # The plan (write items, key mappings) is the same save after save: send it only when it
+        # changed, so that pickling it does not hold the GIL while training resumes.
+        same = (
+            self._sent_plan is not None
+            and len(self._sent_plan[0]) == len(staged.items)
+            and all(a is b for a, b in zip(self._sent_plan[0], staged.items))
+            and self._sent_plan[1] == staged.mappings
+        )
+        if same:
+            staged = dataclasses.replace(staged, items=[], mappings={})
+        else:
+            self._sent_plan = (list(staged.items), dict(staged.mappings))
+        self.conn.send(("save", staged, same))
         self._expect("saved")
 
     def stop(self) -> None:
@@ -353,6 +366,7 @@ def _writer_main(conn: Any, addr: str, port: int, rank: int, world: int, parent:
         torch_dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     conn.send(("ready",))
     buffers: dict[str, torch.Tensor] = {}
+    plan: tuple[list[WriteItem], dict[str, Any]] = ([], {})
     while True:
         try:
             msg = conn.recv()
@@ -367,6 +381,9 @@ def _writer_main(conn: Any, addr: str, port: int, rank: int, world: int, parent:
                 conn.send(("ok",))
             elif kind == "save":
                 staged: StagedStep = msg[1]
+                if msg[2]:  # the plan of the previous save
+                    staged = dataclasses.replace(staged, items=plan[0], mappings=plan[1])
+                plan = (staged.items, staged.mappings)
                 start = time.perf_counter()
                 write_and_publish(
                     staged.info,
