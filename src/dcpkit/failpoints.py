@@ -22,6 +22,8 @@ def hit(name: str, step: int, rank: int, pid: int | None = None) -> None:
     if not spec:
         return
     parts = spec.split(":")
+    if parts[0] not in POINTS:  # a misspelled point would never fire and a test would pass
+        raise ValueError(f"{ENV}={spec!r}: unknown point {parts[0]!r}; known: {', '.join(POINTS)}")
     if parts[0] != name or (len(parts) > 1 and int(parts[1]) != step):
         return
     if len(parts) > 2 and int(parts[2]) != rank:

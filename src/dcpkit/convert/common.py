@@ -7,7 +7,7 @@ import contextlib
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -108,5 +108,3 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.long() - b.long()).abs().max())
     return float((a.double() - b.double()).abs().max())
 
-
-Reporter = Callable[[str], None]
