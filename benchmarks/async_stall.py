@@ -223,8 +223,16 @@ def main() -> int:
                 print(f"{mode}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
                 results[mode] = {"mode": mode, "error": proc.stderr[-3000:]}
                 continue
-            results[mode] = json.loads(line[len("RESULT ") :])
-            print(f"  measured {mode}", flush=True)
+            results[mode] = r = json.loads(line[len("RESULT ") :])
+            print(
+                f"  measured {mode}: blocked {statistics.median(r['blocked_s'][2:]):.3f}s, "
+                f"copy floor {r['copy_floor_s']:.3f}s",
+                flush=True,
+            )
+            if opts.json:  # what is measured so far survives a run cut short
+                opts.json.write_text(
+                    json.dumps({"device": opts.device, "partial": True, "results": results})
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ok = {m: r for m, r in results.items() if "error" not in r}

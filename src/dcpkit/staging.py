@@ -94,8 +94,9 @@ class AsyncCheckpointer:
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.use_process = mode == "async_with_pinned_mem"
-        self.cuda = torch.cuda.is_available()
-        self.pin = self.use_process and self.cuda
+        # Page-locked buffers only when there is a device to copy from (decided per buffer).
+        self.pin = self.use_process and torch.cuda.is_available()
+        self._pin_failed = False
         self.buffers: dict[str, torch.Tensor] = {}
         self._item_cache: dict[Any, list[WriteItem]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpkit-writer")
@@ -104,7 +105,7 @@ class AsyncCheckpointer:
         self._staged = threading.Event()
         self._staged.set()
         self._copy_error: BaseException | None = None
-        self._stream = torch.cuda.Stream() if self.cuda else None
+        self._stream: Any = None
         self._copy_event: Any = None
         self.group = None
         self._child: _WriterProcess | None = None
@@ -138,10 +139,11 @@ class AsyncCheckpointer:
         staged = StagedStep(info, items, mappings, objects)
         self._staged.clear()
         self._copy_error = None
-        if self.cuda:
+        on_device = any(src.is_cuda for src in sources.values())
+        if on_device:
             self._copy_on_side_stream(sources)
         self._pending_step = info.step
-        self._pending = self._executor.submit(self._run, staged, sources, new_buffers)
+        self._pending = self._executor.submit(self._run, staged, sources, new_buffers, on_device)
 
     def wait_for_staging(self) -> None:
         """Block until the copy is done (the state may be modified afterwards)."""
@@ -174,6 +176,9 @@ class AsyncCheckpointer:
             if self._child is not None:
                 self._child.stop()
                 self._child = None
+            for buf in self.buffers.values():
+                _unpin(buf)
+            self.buffers.clear()
 
     # -- internals
 
@@ -205,32 +210,46 @@ class AsyncCheckpointer:
             buf = self.buffers.get(fqn)
             if buf is not None and buf.shape == src.shape and buf.dtype == src.dtype:
                 continue
+            if buf is not None:
+                _unpin(buf)  # no save is in flight (save() waited): the old buffer is unused
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
             if self.use_process:
                 buf.share_memory_()
-            if self.pin and buf.numel():
-                _pin(buf)
+            if self.pin and src.is_cuda and buf.numel() and not self._pin_failed:
+                self._pin_failed = not _pin(buf)
             self.buffers[fqn] = buf
             changed = True
         for fqn in set(self.buffers) - set(sources):
-            del self.buffers[fqn]
+            _unpin(self.buffers.pop(fqn))
             changed = True
         return changed
 
     def _copy_on_side_stream(self, sources: dict[str, torch.Tensor]) -> None:
-        assert self._stream is not None
+        """Enqueue the device-to-host copies on a side stream, after the work already queued on
+        the current stream; the training thread goes on at once."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             for fqn, src in sources.items():
+                # A temporary of the state dict must not be reused before the copy has read it.
+                if src.is_cuda:
+                    src.record_stream(self._stream)
                 self.buffers[fqn].copy_(src, non_blocking=src.is_cuda)
             self._copy_event = torch.cuda.Event()
             self._copy_event.record(self._stream)
 
-    def _run(self, staged: StagedStep, sources: dict[str, torch.Tensor], new_buffers: bool) -> None:
+    def _run(
+        self,
+        staged: StagedStep,
+        sources: dict[str, torch.Tensor],
+        new_buffers: bool,
+        on_device: bool,
+    ) -> None:
         try:
-            if self.cuda:
+            if on_device:
                 # Already enqueued on the side stream; wait for it here, off the training thread.
-                self._stream.synchronize()  # type: ignore[union-attr]
+                self._stream.synchronize()
             else:
                 for fqn, src in sources.items():
                     self.buffers[fqn].copy_(src)
@@ -249,12 +268,47 @@ class AsyncCheckpointer:
             )
 
 
-def _pin(buf: torch.Tensor) -> None:
-    """Page-lock a shared-memory buffer in place (the copy engine then needs no bounce)."""
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
+_PINNED: set[int] = set()  # data pointers this process registered with the CUDA driver
+_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process
+
+
+def _cuda_status(ret: Any) -> int:
+    return int(ret[0] if isinstance(ret, tuple) else ret)
+
+
+def _pin(buf: torch.Tensor) -> bool:
+    """Page-lock a shared-memory buffer in place, so that device-to-host copies go straight into
+    it by DMA. The driver can refuse (``ulimit -l``, a container's locked-memory limit): the save
+    is then still correct, only its copies are slower; say so once and go on."""
+    ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+    try:
+        err = _cuda_status(
+            torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE)
+        )
+    except Exception as e:  # no CUDA runtime binding in this build
+        err, detail = -1, str(e)
+    else:
+        detail = f"CUDA error {err}"
+    if err != 0:
+        logger.warning(
+            "async_with_pinned_mem: could not page-lock %.1f MiB of staging memory (%s); "
+            "saves stay correct, their device-to-host copies are slower. Raise the "
+            "locked-memory limit (ulimit -l) to pin.",
+            nbytes / (1 << 20),
+            detail,
+        )
+        return False
+    _PINNED.add(ptr)
+    return True
+
+
+def _unpin(buf: torch.Tensor) -> None:
+    """Undo ``_pin`` before the memory is freed: registered pages that are freed make a later
+    registration of the same addresses fail."""
+    ptr = buf.data_ptr()
+    if ptr in _PINNED:
+        _PINNED.discard(ptr)
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 # --- the persistent writer process ----------------------------------------------------------------

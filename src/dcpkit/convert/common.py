@@ -107,4 +107,3 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if not (a.is_floating_point() or b.is_floating_point()):
         return float((a.long() - b.long()).abs().max())
     return float((a.double() - b.double()).abs().max())
-

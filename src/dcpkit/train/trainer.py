@@ -125,6 +125,9 @@ class Trainer:
         if self.rank == 0:
             self.dump.mkdir(parents=True, exist_ok=True)
         if cfg.training.deterministic:
+            if self.device.type == "cuda":
+                # cuBLAS is deterministic only with a fixed workspace; set before its first use.
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         ck = cfg.checkpoint
         if ck.create_seed_checkpoint and self.world != 1:
