@@ -166,6 +166,10 @@ def _save_pretrained(family: str, folder: Path) -> dict[str, torch.Tensor]:
     config = config_cls(**{k: v for k, v in config_dict.items() if k != "architectures"})
     torch.manual_seed(0)
     model = getattr(transformers, cls_name)(config).to(torch.bfloat16)
+    with torch.no_grad():  # norms initialised to ones would hide a swapped or missing norm
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(str(folder), max_shard_size="4MB")
     return _hf_tensors(folder)
 
@@ -182,7 +186,16 @@ def test_save_pretrained_folder_round_trips(family, tmp_path):
         if family == "qwen3":  # tied: output.weight is the embedding
             assert "layers.0.attention.q_norm.weight" in c.tensors
             assert torch.equal(c.read("output.weight"), c.read("tok_embeddings.weight"))
-    to_hf(tmp_path / "dcp", tmp_path / "again", family, "debugmodel", max_shard_size="4MB")
+    result = to_hf(
+        tmp_path / "dcp",
+        tmp_path / "again",
+        family,
+        "debugmodel",
+        max_shard_size="4MB",
+        verify=True,
+    )
+    # transformers' logits against dcpkit's own model of the family, both in float32
+    assert result.max_logits_diff is not None and result.max_logits_diff < 1e-4, result.notes
     again = _hf_tensors(tmp_path / "again")
     assert again.keys() == original.keys()
     for k, v in original.items():

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from torch import nn
 
 from dcpkit.models.llama3 import LLAMA3_FLAVORS, Llama3, Llama3Args, build_llama3
+from dcpkit.models.qwen3 import QWEN3_FLAVORS, Qwen3, Qwen3Args, build_qwen3
 
-_BUILDERS: dict[str, Callable[..., nn.Module]] = {"llama3": build_llama3}
-_FLAVORS: dict[str, dict[str, object]] = {"llama3": LLAMA3_FLAVORS}
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {"llama3": build_llama3, "qwen3": build_qwen3}
+_FLAVORS: dict[str, dict[str, object]] = {"llama3": LLAMA3_FLAVORS, "qwen3": QWEN3_FLAVORS}
 
 
 def known_models() -> list[str]:
@@ -33,4 +34,4 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
 
 
-__all__ = ["Llama3", "Llama3Args", "build_model", "flavors", "known_models"]
+__all__ = ["Llama3", "Llama3Args", "Qwen3", "Qwen3Args", "build_model", "flavors", "known_models"]
