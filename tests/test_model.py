@@ -95,9 +95,52 @@ def test_tied_flavor_shares_embedding():
 
 
 def test_unknown_names_list_known_ones():
-    assert known_models() == ["llama3"]
-    assert "8B" in flavors("llama3")
-    with pytest.raises(ValueError, match="known models: llama3"):
+    assert known_models() == ["llama3", "qwen3"]
+    assert "8B" in flavors("llama3") and "0.6B" in flavors("qwen3")
+    with pytest.raises(ValueError, match="known models: llama3, qwen3"):
         build_model("gpt9", "x")
     with pytest.raises(ValueError, match="known flavors: debugmodel, 1B"):
         build_model("llama3", "7B")
+    with pytest.raises(ValueError, match=r"known flavors: debugmodel, 0\.6B"):
+        build_model("qwen3", "7B")
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B"])
+def test_qwen3_flavors_match_transformers(flavor):
+    """Every Qwen 3 flavor has exactly the parameters of transformers' own Qwen3ForCausalLM
+    built from the config.json that to-hf writes for it (both on meta)."""
+    import transformers
+
+    from dcpkit.convert.adapters import get_adapter
+
+    with torch.device("meta"):
+        ours = build_model("qwen3", flavor)
+        config = get_adapter("qwen3").hf_config(ours.args, torch.bfloat16, None, None)
+        config_cls = transformers.AutoConfig.for_model("qwen3").__class__
+        hf = transformers.Qwen3ForCausalLM(
+            config_cls(**{k: v for k, v in config.items() if k != "architectures"})
+        )
+    assert all(p.is_meta for p in ours.parameters())
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in hf.parameters())
+    assert (ours.output.weight is ours.tok_embeddings.weight) == ours.args.tie_word_embeddings
+
+
+def test_qwen3_names_and_rotate_half_rope():
+    from dcpkit.models.qwen3 import apply_rotary_emb, precompute_rope_cache
+
+    model = build_model("qwen3", "debugmodel", max_seq_len=32, n_layers=1)
+    assert [k for k in model.state_dict() if k.startswith("layers.0.attention.")] == [
+        f"layers.0.attention.{w}.weight" for w in ("wq", "wk", "wv", "wo", "q_norm", "k_norm")
+    ]
+    # Position p rotates the pair (i, i + head_dim/2) by p * theta^(-2i/head_dim).
+    args = model.args
+    cache = precompute_rope_cache(args, 8)
+    x = torch.zeros(1, 8, 1, args.head_dim)
+    x[..., 1] = 1.0
+    rotated, _ = apply_rotary_emb(x, x, cache)
+    angle = 5 * args.rope_theta ** (-2 / args.head_dim)
+    half = args.head_dim // 2
+    assert torch.allclose(rotated[0, 5, 0, 1], torch.tensor(angle).cos())
+    assert torch.allclose(rotated[0, 5, 0, 1 + half], torch.tensor(angle).sin())
+    assert rotated[0, 5, 0].count_nonzero() == 2

@@ -21,6 +21,7 @@ from conftest import (
     torchrun_env,
 )
 from dcpkit import layout
+from dcpkit.convert.dcpio import DCPCheckpoint
 from dcpkit.models import build_model
 
 pytestmark = pytest.mark.dist
@@ -166,6 +167,24 @@ def test_tensor_parallel_checkpoint_reshards_to_fsdp(reference_run, tmp_path):
     assert sorted(got) == [1, 2, 3, 4, 5]
     for step in range(1, 6):
         assert abs(got[step]["loss"] - ref[step]["loss"]) / ref[step]["loss"] < 1e-3
+
+
+def test_qwen3_tied_embeddings_stay_tied_under_tp_and_reshard(tmp_path):
+    qwen = ("--model.name", "qwen3", "--training.steps", "5")
+    ref = tmp_path / "fsdp"
+    run_train(2, ref, *qwen)
+    dump = tmp_path / "tp"
+    run_train(
+        2, dump, *qwen, "--parallelism.tensor_parallel_degree", "2", "--training.stop_at_step", "3"
+    )
+    with DCPCheckpoint(dump / "checkpoint" / "step-3") as ckpt:
+        # One weight: trained as one under tensor parallelism, saved as one.
+        assert torch.equal(ckpt.read("output.weight"), ckpt.read("tok_embeddings.weight"))
+    run_train(2, dump, *qwen)  # resumes the TP checkpoint under FSDP
+    want, got = read_metrics(ref), read_metrics(dump)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step in range(1, 6):
+        assert abs(got[step]["loss"] - want[step]["loss"]) / want[step]["loss"] < 1e-3, step
 
 
 def test_dcpkit_train_command_launches_torchrun(tmp_path):

@@ -279,16 +279,18 @@ class Llama3(nn.Module):
         device = buffer_device or self.freqs_cis.device
         with torch.device(device):
             self.freqs_cis = precompute_freqs_cis(self.args)
-        nn.init.normal_(self.tok_embeddings.weight)
+        # Tied embeddings take the output projection's init (as in TorchTitan): a unit-normal
+        # embedding used as the output would start with enormous logits.
+        if not self.args.tie_word_embeddings:
+            nn.init.normal_(self.tok_embeddings.weight)
         for block in self.layers.values():
             block.init_weights()
         self.norm.reset_parameters()
-        if not self.args.tie_word_embeddings:
-            cutoff = 3.0
-            std = self.args.dim**-0.5
-            nn.init.trunc_normal_(
-                self.output.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std
-            )
+        cutoff = 3.0
+        std = self.args.dim**-0.5
+        nn.init.trunc_normal_(
+            self.output.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

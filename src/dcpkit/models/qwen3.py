@@ -184,13 +184,15 @@ class Qwen3(nn.Module):
         device = buffer_device or self.rope_cache.device
         with torch.device(device):
             self.rope_cache = precompute_rope_cache(self.args)
-        nn.init.normal_(self.tok_embeddings.weight)
+        # Tied embeddings take the output projection's init (as in TorchTitan): a unit-normal
+        # embedding used as the output would start with enormous logits.
+        if not self.args.tie_word_embeddings:
+            nn.init.normal_(self.tok_embeddings.weight)
         for block in self.layers.values():
             block.init_weights()
         self.norm.reset_parameters()
-        if not self.args.tie_word_embeddings:
-            std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        std = self.args.dim**-0.5
+        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

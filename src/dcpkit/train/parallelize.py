@@ -58,6 +58,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "output": ColwiseParallel(output_layouts=Replicate()),
         },
     )
+    if args.tie_word_embeddings:
+        # Each plan distributes its module's weight into a parameter of its own, which would
+        # silently untie them. Both plans shard the [vocab, dim] weight by rows (Shard(0)), so
+        # one DTensor serves both.
+        model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         parallelize_module(
             block,
