@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +109,47 @@ def test_train_on_s3_and_resume_bitwise(s3, reference_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     proc = _cli("diff", f"{url}/step-20", str(tmp_path / "hf"))
     assert proc.returncode == 0 and "57 identical" in proc.stdout
+
+
+def test_inspect_and_verify_read_no_tensor_data(s3, reference_run, tmp_path):
+    """The metadata-only copy behind inspect and verify: data files stay sparse; verify streams
+    the checksums from the remote files, so remote corruption is still found."""
+    from dcpkit.remote import fetch_skeleton
+
+    local = reference_run / "checkpoint" / "step-20"
+    url = f"s3://{BUCKET}/tools/checkpoint/step-20"
+    s3.put(str(local), f"{BUCKET}/tools/checkpoint/step-20", recursive=True)
+    s3.touch(f"{BUCKET}/tools/checkpoint/step-20/{COMMIT_MARKER}")
+    data = sorted(f.name for f in local.iterdir() if f.suffix == ".distcp")
+    skeleton = fetch_skeleton(url)
+    try:
+        copy = Path(skeleton.name) / "step-20"
+        for name in data:
+            size = (local / name).stat().st_size
+            assert (copy / name).stat().st_size == size
+            assert (copy / name).stat().st_blocks * 512 < size // 4  # sparse: not downloaded
+        assert (copy / ".metadata").read_bytes() == (local / ".metadata").read_bytes()
+    finally:
+        skeleton.cleanup()
+    proc = _cli("inspect", url, "--json")
+    info = json.loads(proc.stdout)
+    assert info["published"] and info["complete"] and info["world_size"] == 2
+    assert _cli("verify", url).returncode == 0
+
+    # One flipped byte in a remote data file: the sizes still match, the checksum does not.
+    blob = bytearray((local / data[1]).read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    s3.pipe(f"{BUCKET}/tools/checkpoint/step-20/{data[1]}", bytes(blob))
+    proc = _cli("verify", url)
+    assert proc.returncode == 1 and f"{data[1]}: checksum mismatch" in proc.stdout, proc.stdout
+    assert _cli("verify", url, "--quick").returncode == 0
+    # Truncated: found from the listing alone; without the marker, a note says it is not picked.
+    s3.pipe(f"{BUCKET}/tools/checkpoint/step-20/{data[0]}", b"short")
+    s3.rm(f"{BUCKET}/tools/checkpoint/step-20/{COMMIT_MARKER}")
+    proc = _cli("verify", url, "--quick")
+    assert proc.returncode == 1 and f"{data[0]}: has 5 bytes" in proc.stdout, proc.stdout
+    assert "never committed" in proc.stdout
+    assert not json.loads(_cli("inspect", url, "--json").stdout)["published"]
 
 
 @pytest.mark.dist

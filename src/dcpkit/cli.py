@@ -91,14 +91,15 @@ def _cmd_list(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def _local(path: str | None, keep: list) -> str | None:
+def _local(path: str | None, keep: list, data: bool = True) -> str | None:
     """A local copy of a remote (``s3://``, ...) checkpoint, downloaded to a temporary folder
-    that lives as long as ``keep``; local paths are returned as they are."""
-    from dcpkit.remote import is_url, materialize
+    that lives as long as ``keep`` (``data=False``: metadata only, data files left sparse);
+    local paths are returned as they are."""
+    from dcpkit.remote import fetch_skeleton, is_url, materialize
 
     if path is None or not is_url(path):
         return path
-    tmp = materialize(path)
+    tmp = materialize(path) if data else fetch_skeleton(path)
     keep.append(tmp)
     return str(Path(tmp.name) / path.rstrip("/").rsplit("/", 1)[-1])
 
@@ -107,10 +108,16 @@ def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
     import json
 
     from dcpkit.inspect import format_inspect, inspect_path
+    from dcpkit.layout import COMMIT_MARKER
+    from dcpkit.remote import is_url
 
     keep: list = []
-    info = inspect_path(_local(args.path, keep))
+    local = _local(args.path, keep, data=False)
+    info = inspect_path(local)
     info["path"] = args.path
+    if is_url(args.path) and Path(local).is_dir():
+        # On an object store a step is published by its commit marker, not by its name.
+        info["published"] = info["published"] and (Path(local) / COMMIT_MARKER).is_file()
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -119,11 +126,13 @@ def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
+    from dcpkit.remote import is_url, verify_url
     from dcpkit.verify import verify_path
 
-    keep: list = []
-    report = verify_path(_local(args.path, keep), checksums=not args.quick)
-    report.path = Path(args.path) if "://" not in args.path else args.path  # type: ignore[assignment]
+    if is_url(args.path):
+        report = verify_url(args.path, checksums=not args.quick)
+    else:
+        report = verify_path(args.path, checksums=not args.quick)
     for note in report.notes:
         print(f"note: {note}")
     if report.ok:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,9 +133,14 @@ def load_manifest(folder: Path) -> tuple[dict[str, Any] | None, list[Problem]]:
 
 
 def check_files(
-    folder: Path, manifest: dict[str, Any], names: list[str] | None = None, checksums: bool = True
+    folder: Path,
+    manifest: dict[str, Any],
+    names: list[str] | None = None,
+    checksums: bool = True,
+    checksum_of: Callable[[str], str] | None = None,
 ) -> list[Problem]:
-    """Sizes and checksums of the manifest's files (``names``: only these)."""
+    """Sizes and checksums of the manifest's files (``names``: only these). ``checksum_of``
+    computes a file's checksum from its name elsewhere than in ``folder`` (a remote copy)."""
     problems = []
     for name, expected in manifest["files"].items():
         if names is not None and name not in names:
@@ -153,7 +159,10 @@ def check_files(
                 )
             )
             continue
-        if checksums and expected.get(CHECKSUM_ALGORITHM) != file_checksum(path):
+        if not checksums:
+            continue
+        actual = checksum_of(name) if checksum_of is not None else file_checksum(path)
+        if expected.get(CHECKSUM_ALGORITHM) != actual:
             problems.append(
                 Problem(name, "checksum mismatch: the file's bytes changed after it was written")
             )

@@ -280,3 +280,67 @@ def materialize(url: str, storage_options: dict | None = None) -> tempfile.Tempo
             raise FileNotFoundError(f"{url} does not exist")
         remote.download("", Path(tmp.name) / base)
     return tmp
+
+
+_SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit
+
+
+def fetch_skeleton(url: str, storage_options: dict | None = None) -> tempfile.TemporaryDirectory:
+    """A metadata-only local copy of a remote checkpoint folder, for the tools that read no
+    tensor data (``inspect``, and ``verify`` with the checksums computed remotely): small files
+    in full; ``.distcp`` files as sparse files of their true size; ``.safetensors`` files as
+    their header in a sparse file of their true size. A single file is downloaded whole."""
+    remote = Remote(url, storage_options)
+    remote.check_reachable()
+    if remote.fs.isfile(remote.path) or not remote.fs.exists(remote.path):
+        return materialize(url, storage_options)
+    tmp = tempfile.TemporaryDirectory(prefix="dcpkit-remote-")
+    dest = Path(tmp.name) / url.rstrip("/").rsplit("/", 1)[-1]
+    dest.mkdir()
+    for entry in remote.fs.ls(remote.path, detail=True, refresh=True):
+        if entry.get("type") != "file":
+            continue
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        size, local = int(entry["size"]), dest / name
+        if name.endswith(".distcp"):
+            with open(local, "wb") as f:
+                f.truncate(size)
+        elif name.endswith(".safetensors"):
+            with remote.fs.open(remote._p(name), "rb") as src, open(local, "wb") as f:
+                head = src.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                f.write(head)
+                if 0 < n <= min(_SAFETENSORS_HEADER_MAX, size - 8):
+                    f.write(src.read(n))
+                f.truncate(size)
+        else:
+            remote.fs.get(remote._p(name), str(local))
+    return tmp
+
+
+def verify_url(url: str, checksums: bool = True, storage_options: dict | None = None) -> Any:
+    """``verify`` of a remote checkpoint: structure and sizes from a metadata-only copy, and
+    checksums streamed from the remote files (nothing is stored locally)."""
+    from dcpkit.verify import verify_path
+
+    remote = Remote(url, storage_options)
+    tmp = fetch_skeleton(url, storage_options)
+    try:
+        local = Path(tmp.name) / remote.url.rsplit("/", 1)[-1]
+        if local.is_file():
+            report = verify_path(local)  # a single file: downloaded whole, checked locally
+        else:
+            report = verify_path(local, checksums=checksums, checksum_of=remote.checksum)
+            if (
+                STEP_DIR_RE.match(local.name)
+                and (local / MANIFEST).is_file()
+                and not (local / COMMIT_MARKER).is_file()
+            ):
+                report.notes.append(
+                    f"no {COMMIT_MARKER}: the upload never committed, so training does not "
+                    "pick this step"
+                )
+    finally:
+        tmp.cleanup()
+    report.path = url
+    return report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,21 +30,26 @@ class VerifyReport:
 
 
 def verify_path(
-    path: str | Path, checksums: bool = True, checksum_files: list[str] | None = None
+    path: str | Path,
+    checksums: bool = True,
+    checksum_files: list[str] | None = None,
+    checksum_of: Callable[[str], str] | None = None,
 ) -> VerifyReport:
     """Check a checkpoint: manifest checksums and sizes, and the format's own structure.
 
     ``checksum_files`` limits the checksum pass to those files (ranks split the work on load).
+    ``checksum_of`` takes a file name and computes its checksum from another copy of the bytes
+    (the remote original of a metadata-only local copy).
     """
     p = Path(path)
     kind = detect_kind(p)
     report = VerifyReport(p, kind)
     if kind == DCP:
-        _verify_manifest(p, report, checksums, checksum_files)
+        _verify_manifest(p, report, checksums, checksum_files, checksum_of)
         _verify_dcp_structure(p, report)
     elif kind == HF:
         folder = p if p.is_dir() else p.parent
-        _verify_manifest(folder, report, checksums, checksum_files)
+        _verify_manifest(folder, report, checksums, checksum_files, checksum_of)
         _verify_hf_structure(p, report)
     else:
         _verify_torch_file(p, report)
@@ -51,7 +57,11 @@ def verify_path(
 
 
 def _verify_manifest(
-    folder: Path, report: VerifyReport, checksums: bool, names: list[str] | None
+    folder: Path,
+    report: VerifyReport,
+    checksums: bool,
+    names: list[str] | None,
+    checksum_of: Callable[[str], str] | None = None,
 ) -> None:
     manifest, problems = load_manifest(folder)
     report.problems += problems
@@ -62,7 +72,7 @@ def _verify_manifest(
                 "written by dcpkit); structure checked only"
             )
         return
-    report.problems += check_files(folder, manifest, names, checksums)
+    report.problems += check_files(folder, manifest, names, checksums, checksum_of)
     if names is None:
         report.problems += unlisted_files(folder, manifest)
     report.files_checked = len(manifest["files"]) if names is None else len(names)
