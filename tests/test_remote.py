@@ -181,6 +181,12 @@ def test_missing_bucket_and_bad_url_name_the_url(s3, tmp_path):
     proc = _cli("list", "s3://no-such-bucket/run")
     assert proc.returncode != 0 and "s3://no-such-bucket/run" in proc.stderr
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    for cmd in ("inspect", "verify", "to-hf"):
+        missing = f"s3://{BUCKET}/nothing/step-5"
+        out = [str(tmp_path / "out"), "--flavor", "debugmodel"] if cmd == "to-hf" else []
+        proc = _cli(cmd, missing, *out)
+        assert proc.returncode == 2, (cmd, proc.stderr)
+        assert f"{missing} does not exist" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run(
         [
             sys.executable,
