@@ -109,12 +109,18 @@ def test_train_on_s3_and_resume_bitwise(s3, reference_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     proc = _cli("diff", f"{url}/step-20", str(tmp_path / "hf"))
     assert proc.returncode == 0 and "57 identical" in proc.stdout
+    # Read from S3 in place, the tensors are the bytes of the local run's step 20.
+    proc = _cli("diff", f"{url}/step-20", str(reference_run / "checkpoint" / "step-20"))
+    assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout
 
 
 def test_inspect_and_verify_read_no_tensor_data(s3, reference_run, tmp_path):
     """The metadata-only copy behind inspect and verify: data files stay sparse; verify streams
     the checksums from the remote files, so remote corruption is still found."""
-    from dcpkit.remote import fetch_skeleton
+    import torch
+
+    from dcpkit.convert.dcpio import DCPCheckpoint
+    from dcpkit.remote import fetch_skeleton, stream_copy
 
     local = reference_run / "checkpoint" / "step-20"
     url = f"s3://{BUCKET}/tools/checkpoint/step-20"
@@ -131,6 +137,22 @@ def test_inspect_and_verify_read_no_tensor_data(s3, reference_run, tmp_path):
         assert (copy / ".metadata").read_bytes() == (local / ".metadata").read_bytes()
     finally:
         skeleton.cleanup()
+    # Conversions and diff read the tensors from the remote files by range requests.
+    streamed = stream_copy(url)
+    try:
+        with (
+            DCPCheckpoint(Path(streamed.name) / "step-20") as remote_ckpt,
+            DCPCheckpoint(local) as local_ckpt,
+        ):
+            assert sorted(remote_ckpt.tensors) == sorted(local_ckpt.tensors)
+            for name in remote_ckpt.tensors:
+                assert torch.equal(remote_ckpt.read(name), local_ckpt.read(name)), name
+            name = "tok_embeddings.weight"
+            assert torch.equal(remote_ckpt.read(name, (100, 300)), local_ckpt.read(name)[100:300])
+        for name in data:
+            assert (Path(streamed.name) / "step-20" / name).stat().st_blocks * 512 < (1 << 20)
+    finally:
+        streamed.cleanup()
     proc = _cli("inspect", url, "--json")
     info = json.loads(proc.stdout)
     assert info["published"] and info["complete"] and info["world_size"] == 2

@@ -318,6 +318,34 @@ def fetch_skeleton(url: str, storage_options: dict | None = None) -> tempfile.Te
     return tmp
 
 
+_STREAM_BLOCK = 4 << 20  # range request size when tensors are read from the remote files
+_STREAM_BLOCKS = 8  # blocks cached per open file: 32 MiB
+
+
+def stream_copy(url: str, storage_options: dict | None = None) -> tempfile.TemporaryDirectory:
+    """A metadata-only local copy (``fetch_skeleton``) whose data files the readers read from
+    the remote originals, by range requests, as tensors are asked for: a conversion or a diff
+    of a remote checkpoint needs neither its size in local disk nor a download first."""
+    from dcpkit.files import register_origin
+
+    tmp = fetch_skeleton(url, storage_options)
+    local = Path(tmp.name) / url.rstrip("/").rsplit("/", 1)[-1]
+    if local.is_dir():
+        remote = Remote(url, storage_options)
+
+        def opener(name: str) -> Any:
+            return remote.fs.open(
+                remote._p(name),
+                "rb",
+                block_size=_STREAM_BLOCK,
+                cache_type="blockcache",
+                cache_options={"maxblocks": _STREAM_BLOCKS},
+            )
+
+        register_origin(local, opener)
+    return tmp
+
+
 def verify_url(url: str, checksums: bool = True, storage_options: dict | None = None) -> Any:
     """``verify`` of a remote checkpoint: structure and sizes from a metadata-only copy, and
     checksums streamed from the remote files (nothing is stored locally)."""

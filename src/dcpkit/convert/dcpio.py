@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dcpkit.convert.torchfile import TorchSaveFile
+from dcpkit.files import open_binary
 
 METADATA = ".metadata"
 
@@ -103,7 +104,7 @@ class DCPCheckpoint:
                 raise NotACheckpoint(
                     f"{self.path} is incomplete: {relative}, named in {METADATA}, is missing"
                 )
-            f = self._files[relative] = open(full, "rb")  # noqa: SIM115
+            f = self._files[relative] = open_binary(full)
         return f
 
     def _storage(self, fqn: str, offsets: Any):  # type: ignore[no-untyped-def]

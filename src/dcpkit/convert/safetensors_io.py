@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from dcpkit.files import open_binary
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -150,7 +152,7 @@ class SafetensorsFolder:
         n = row_bytes * (shape[0] if shape else 1)
         f = self._handles.get(st.file)
         if f is None:
-            f = self._handles[st.file] = open(st.file, "rb")  # noqa: SIM115
+            f = self._handles[st.file] = open_binary(st.file)
         f.seek(st.start + first * row_bytes)  # type: ignore[attr-defined]
         buf = bytearray(n)
         if f.readinto(buf) != n:  # type: ignore[attr-defined]
