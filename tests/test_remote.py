@@ -199,6 +199,47 @@ def test_writer_killed_mid_upload_is_never_picked(s3, reference_run, tmp_path):
         assert got[step]["loss"] == ref[step]["loss"], f"step {step}"
 
 
+@pytest.mark.dist
+def test_initial_load_from_s3_dcp_and_hf(s3, stopped_run, tmp_path):
+    """initial_load_path on S3: a DCP step uploaded by hand (no commit marker) and a Hugging Face
+    export, read in place; both start training exactly as the local step does."""
+    from dcpkit.convert.hf import to_hf
+
+    step10 = stopped_run / "checkpoint" / "step-10"
+    to_hf(step10, tmp_path / "hf", "llama3", "debugmodel")
+    s3.put(str(step10), f"{BUCKET}/seed/step-10", recursive=True)
+    s3.put(str(tmp_path / "hf"), f"{BUCKET}/seed/hf", recursive=True)
+    one = ("--training.steps", "1")
+    runs = {
+        "local": run_train(2, tmp_path / "a", *one, "--checkpoint.initial_load_path", str(step10)),
+        "s3 dcp": run_train(
+            2, tmp_path / "b", *one, "--checkpoint.initial_load_path", f"s3://{BUCKET}/seed/step-10"
+        ),
+        "s3 hf": run_train(
+            2,
+            tmp_path / "c",
+            *one,
+            "--checkpoint.initial_load_path",
+            f"s3://{BUCKET}/seed/hf",
+            "--checkpoint.initial_load_in_hf",
+            "true",
+        ),
+    }
+    assert f"loaded s3://{BUCKET}/seed/step-10 (initial_load_path" in runs["s3 dcp"].stdout
+    assert f"loaded s3://{BUCKET}/seed/hf (initial_load_path" in runs["s3 hf"].stdout
+    losses = {name: read_metrics(tmp_path / d)[1]["loss"] for name, d in zip(runs, "abc")}
+    assert len(set(losses.values())) == 1, losses
+    proc = run_train(
+        2,
+        tmp_path / "d",
+        *one,
+        "--checkpoint.initial_load_path",
+        f"s3://{BUCKET}/seed/hf",
+        check=False,
+    )
+    assert proc.returncode != 0 and f"s3://{BUCKET}/seed/hf' is not a checkpoint" in proc.stderr
+
+
 def test_missing_bucket_and_bad_url_name_the_url(s3, tmp_path):
     proc = _cli("list", "s3://no-such-bucket/run")
     assert proc.returncode != 0 and "s3://no-such-bucket/run" in proc.stderr

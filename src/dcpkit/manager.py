@@ -25,7 +25,7 @@ from dcpkit import dist, layout
 from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.integrity import build_manifest, data_files, describe_files, write_manifest
 from dcpkit.publish import StepInfo, StepWriter, write_and_publish
-from dcpkit.remote import Remote, RemoteError, is_url, verify_remote
+from dcpkit.remote import Remote, RemoteError, is_url, verify_remote, verify_url
 from dcpkit.staging import AsyncCheckpointer
 from dcpkit.states import (
     DATALOADER,
@@ -174,9 +174,9 @@ class CheckpointManager:
         error = dist.broadcast_object(error)
         if error:
             raise CheckpointError(f"[checkpoint] folder {error}")
-        if self.config.last_save_in_hf or self.config.initial_load_in_hf:
+        if self.config.last_save_in_hf:
             raise ConfigError(
-                "[checkpoint] last_save_in_hf / initial_load_in_hf work with local folders only; "
+                "[checkpoint] last_save_in_hf works with a local folder only; "
                 f"{self.remote.url} is remote: save DCP there and convert with `dcpkit to-hf`"
             )
 
@@ -217,6 +217,8 @@ class CheckpointManager:
                 why += " (initial_load_path is ignored: the checkpoint folder is not empty)"
             # Step 0 is a seed checkpoint: the model only (TorchTitan's rule).
             return LoadPlan(self.step_path(steps[-1]), steps[-1], steps[-1] == 0, why)
+        if cfg.initial_load_path and is_url(cfg.initial_load_path):
+            return self._plan_remote_initial_load(cfg.initial_load_path)
         if cfg.initial_load_path:
             path = Path(cfg.initial_load_path)
             if cfg.initial_load_in_hf and not layout.is_hf(path):
@@ -241,6 +243,33 @@ class CheckpointManager:
                 "initial_load_path (the checkpoint folder is empty)",
             )
         return LoadPlan(None, None, False, f"no checkpoint in {self.folder}: starting fresh")
+
+    def _plan_remote_initial_load(self, url: str) -> LoadPlan:
+        """``initial_load_path`` on an object store: a DCP step folder, or with
+        ``initial_load_in_hf`` a Hugging Face folder (read in place, never downloaded whole)."""
+        cfg = self.config
+        try:
+            remote = Remote(url, cfg.storage_options)
+            remote.check_reachable()
+            names = set(remote.ls_names())
+        except RemoteError as e:
+            return LoadPlan.failed(f"[checkpoint] initial_load_path {e}")
+        if cfg.initial_load_in_hf and not names & {layout.HF_INDEX, "model.safetensors"}:
+            return LoadPlan.failed(
+                f"[checkpoint] initial_load_path {url!r} holds no Hugging Face safetensors "
+                f"(model.safetensors or {layout.HF_INDEX}), and initial_load_in_hf = true"
+            )
+        if not cfg.initial_load_in_hf and layout.METADATA not in names:
+            return LoadPlan.failed(
+                f"[checkpoint] initial_load_path {url!r} is not a checkpoint (no "
+                f"{layout.METADATA} in it); point it at a step-N folder"
+            )
+        return LoadPlan(
+            remote.url,
+            None,
+            cfg.initial_load_model_only,
+            "initial_load_path (the checkpoint folder is empty)",
+        )
 
     def load(self) -> int | None:
         """Restore the latest published checkpoint (or ``load_step``). Returns its step, or None
@@ -273,7 +302,14 @@ class CheckpointManager:
         from dcpkit.integrity import load_manifest
         from dcpkit.verify import verify_path
 
-        if is_url(path):
+        if is_url(path) and not self._in_folder(path):
+            # Not one of this run's step folders (an initial_load_path): no commit marker is
+            # expected, and a checkpoint that dcpkit did not write has no checksums to check.
+            problems = []
+            if self.rank == 0:
+                report = verify_url(str(path), storage_options=self.config.storage_options)
+                problems = [str(p) for p in report.problems]
+        elif is_url(path):
             remote = Remote(str(path).rsplit("/", 1)[0], self.config.storage_options)
             name = str(path).rstrip("/").rsplit("/", 1)[-1]
             files = remote.ls_names(name)
@@ -288,6 +324,9 @@ class CheckpointManager:
         for part in dist.all_gather_object(problems):
             found.update(part)
         return sorted(found)
+
+    def _in_folder(self, url: str | Path) -> bool:
+        return self.remote is not None and str(url).rstrip("/").rsplit("/", 1)[0] == self.remote.url
 
     def _verified(self, plan: LoadPlan) -> LoadPlan:
         """``plan`` if its checkpoint verifies; else the newest older one that does, when
@@ -330,12 +369,17 @@ class CheckpointManager:
 
         Returns the names of the state pieces restored.
         """
-        reader = self._reader(path)
-        if not is_url(path):
+        if is_url(path):
+            names = set(Remote(str(path), self.config.storage_options).ls_names())
+            if names & {layout.HF_INDEX, "model.safetensors"} and layout.METADATA not in names:
+                self._load_hf(path)
+                return [MODEL]
+        else:
             path = Path(path)
             if layout.is_hf(path) and not (path / layout.METADATA).is_file():
                 self._load_hf(path)
                 return [MODEL]
+        reader = self._reader(path)
         try:
             metadata = reader.read_metadata()
         except FileNotFoundError:
@@ -395,8 +439,25 @@ class CheckpointManager:
             return FsspecReader(str(path), **(self.config.storage_options or {}))
         return FileSystemReader(str(path))
 
-    def _load_hf(self, path: Path) -> None:
-        """Load model weights from a Hugging Face folder, one parameter at a time."""
+    def _load_hf(self, path: str | Path) -> None:
+        """Load model weights from a Hugging Face folder, one parameter at a time (on an object
+        store, read in place by range requests)."""
+        if is_url(path):
+            from dcpkit.files import forget_origin
+            from dcpkit.remote import stream_copy
+
+            tmp = stream_copy(str(path), self.config.storage_options)
+            local = Path(tmp.name) / str(path).rstrip("/").rsplit("/", 1)[-1]
+            try:
+                self._load_hf_folder(local, str(path))
+            finally:
+                forget_origin(local)
+                tmp.cleanup()
+        else:
+            self._load_hf_folder(Path(path), str(path))
+
+    def _load_hf_folder(self, path: Path, name: str) -> None:
+        """``path``: the folder to read; ``name``: how to call it in messages."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         from dcpkit.convert.adapters import get_adapter
@@ -404,26 +465,29 @@ class CheckpointManager:
 
         if self.hf_model is None:
             raise CheckpointError(
-                f"{path} is a Hugging Face folder; loading it needs hf_model=HFModel(...)"
+                f"{name} is a Hugging Face folder; loading it needs hf_model=HFModel(...)"
             )
         adapter = get_adapter(self.hf_model.family)
         args = self.hf_model.args
         folder = SafetensorsFolder(path)
-        plan = adapter.plan_from_hf(
-            {k: folder.shape(k) for k in folder.names()},
-            args,
-            adapter.flavor_name(args) or "custom",
-            str(path),
-        )
-        wanted = set(self.model.state_dict())
-        options = StateDictOptions(full_state_dict=True, strict=False)
-        for hf, canon, tf in plan.pairs:
-            if canon not in wanted:
-                raise CheckpointError(f"{path}: {hf} maps to {canon}, which this model lacks")
-            t = folder.read(hf)
-            t = tf.from_hf(t) if tf is not None else t
-            for part in self.model.parts:
-                set_model_state_dict(part, {canon: t}, options=options)
+        try:
+            plan = adapter.plan_from_hf(
+                {k: folder.shape(k) for k in folder.names()},
+                args,
+                adapter.flavor_name(args) or "custom",
+                name,
+            )
+            wanted = set(self.model.state_dict())
+            options = StateDictOptions(full_state_dict=True, strict=False)
+            for hf, canon, tf in plan.pairs:
+                if canon not in wanted:
+                    raise CheckpointError(f"{name}: {hf} maps to {canon}, which this model lacks")
+                t = folder.read(hf)
+                t = tf.from_hf(t) if tf is not None else t
+                for part in self.model.parts:
+                    set_model_state_dict(part, {canon: t}, options=options)
+        finally:
+            folder.close()
 
     def _plan_rng(self, saved: set[str], path: Path) -> tuple[int, int] | None:
         saved_ranks = sorted(int(k.split("_")[-1]) for k in saved if k.startswith(f"{RNG}.rank_"))
