@@ -119,3 +119,23 @@ def test_writer_failure_surfaces_naming_the_step(mode, tmp_path, process_group):
     mgr.save(4)
     mgr.close()
     assert layout.published_steps(tmp_path / "checkpoint") == [1, 4]
+
+
+def test_shared_memory_shortage_is_refused_with_advice(tmp_path, process_group, monkeypatch):
+    """Staging buffers that would not fit in /dev/shm (a container's default is 64 MiB) are
+    refused before allocation, with what to do, instead of a SIGBUS at first touch."""
+    import dcpkit.staging as staging
+
+    monkeypatch.setattr(staging, "_shm_free", lambda: 1 << 20)  # a /dev/shm with 1 MiB free
+    model = build_model("llama3", "debugmodel", max_seq_len=16, n_layers=1)
+    cfg = CheckpointConfig(enable=True, interval=1, async_mode="async_with_pinned_mem")
+    mgr = CheckpointManager(cfg, tmp_path / "pinned", model)
+    with pytest.raises(AsyncSaveError, match=r"needs .* of shared memory .*1\.0 MiB free"):
+        mgr.save(1)
+    assert mgr._async.buffers == {}
+    mgr.close()
+    # The thread mode's buffers are process-private: unaffected.
+    cfg = CheckpointConfig(enable=True, interval=1, async_mode="async")
+    with CheckpointManager(cfg, tmp_path / "thread", model) as mgr:
+        mgr.save(1)
+    assert layout.published_steps(tmp_path / "thread" / "checkpoint") == [1]

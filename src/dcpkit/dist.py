@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -38,3 +41,12 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+@contextlib.contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """DCP warns on every call made without a process group ("assuming the intent is to save
+    in a single process"); where that is the intent, say nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -421,7 +421,8 @@ class CheckpointManager:
             rng_plan = self._plan_rng(saved, path)
             if rng_plan is not None:
                 template[RNG] = {rng_key(rng_plan[0]): b""}
-        dcp.load(template, storage_reader=self._reader(path), no_dist=not dist.is_dist())
+        with dist.quiet_single_process():
+            dcp.load(template, storage_reader=self._reader(path), no_dist=not dist.is_dist())
         self.model.load_state_dict({k: template[k] for k in model_sd})
         for name in pieces:
             self.states[name].load_state_dict(template[name])
@@ -618,7 +619,8 @@ class CheckpointManager:
             layout.clean_leftovers(self.folder)
             staging.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dcp.save(state, storage_writer=StepWriter(staging, step), no_dist=not dist.is_dist())
+        with dist.quiet_single_process():
+            dcp.save(state, storage_writer=StepWriter(staging, step), no_dist=not dist.is_dist())
         if self.rank == 0:
             to_hf(
                 staging,

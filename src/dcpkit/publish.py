@@ -109,13 +109,14 @@ def write_and_publish(
     if rank == 0:
         target.prepare()
     dist.barrier(group)
-    dcp.save(
-        state,
-        storage_writer=target.writer(),
-        planner=planner,
-        process_group=group,
-        no_dist=not dist.is_dist(),
-    )
+    with dist.quiet_single_process():
+        dcp.save(
+            state,
+            storage_writer=target.writer(),
+            planner=planner,
+            process_group=group,
+            no_dist=not dist.is_dist(),
+        )
     failpoints.hit("after_write", info.step, rank, kill_pid)
     start = time.perf_counter()
     files = target.describe(target.own_files(rank))

@@ -24,6 +24,7 @@ import dataclasses
 import io
 import logging
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -42,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from dcpkit import dist
 from dcpkit.publish import StepInfo, write_and_publish
+from dcpkit.units import human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +207,17 @@ class AsyncCheckpointer:
 
     def _ensure_buffers(self, sources: dict[str, torch.Tensor]) -> bool:
         """Allocate buffers for new or changed shapes only; True if any were allocated."""
+        needed = {
+            fqn: src.numel() * src.element_size()
+            for fqn, src in sources.items()
+            if not (
+                (buf := self.buffers.get(fqn)) is not None
+                and buf.shape == src.shape
+                and buf.dtype == src.dtype
+            )
+        }
+        if needed and self.use_process:
+            self._check_shared_memory(sum(needed.values()))
         changed = False
         for fqn, src in sources.items():
             buf = self.buffers.get(fqn)
@@ -222,7 +235,30 @@ class AsyncCheckpointer:
         for fqn in set(self.buffers) - set(sources):
             _unpin(self.buffers.pop(fqn))
             changed = True
+        if needed:
+            total = sum(b.numel() * b.element_size() for b in self.buffers.values())
+            kind = "shared memory" if self.use_process else "memory"
+            if any(b.data_ptr() in _PINNED for b in self.buffers.values()):
+                kind = "page-locked shared memory"
+            logger.info(
+                "checkpoint: %s of staging buffers in %s on this rank (allocated once, reused "
+                "by every later save)",
+                human_bytes(total),
+                kind,
+            )
         return changed
+
+    def _check_shared_memory(self, nbytes: int) -> None:
+        """Shared buffers live in /dev/shm; one that does not fit would crash the process with
+        SIGBUS at first touch (a container's default /dev/shm is 64 MiB). Refuse, explaining."""
+        free = _shm_free()
+        if free is not None and nbytes > free:
+            raise AsyncSaveError(
+                f"async_with_pinned_mem needs {human_bytes(nbytes)} of shared memory for its "
+                f"staging buffers, and {SHM_DIR} has {human_bytes(free)} free; enlarge it (e.g. "
+                'docker run --shm-size=...), or use async_mode = "async" (process-private '
+                "buffers and a writer thread)"
+            )
 
     def _copy_on_side_stream(self, sources: dict[str, torch.Tensor]) -> None:
         """Enqueue the device-to-host copies on a side stream, after the work already queued on
@@ -266,6 +302,17 @@ class AsyncCheckpointer:
             write_and_publish(
                 staged.info, {}, planner=StagedPlanner(staged, self.buffers), group=self.group
             )
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _shm_free() -> int | None:
+    """Free bytes in the shared-memory file system, None where there is none to ask."""
+    try:
+        return shutil.disk_usage(SHM_DIR).free
+    except OSError:
+        return None
 
 
 _PINNED: set[int] = set()  # data pointers this process registered with the CUDA driver
