@@ -253,11 +253,13 @@ class AsyncCheckpointer:
         SIGBUS at first touch (a container's default /dev/shm is 64 MiB). Refuse, explaining."""
         free = _shm_free()
         if free is not None and nbytes > free:
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            share = f" (shared by the {ranks} ranks of this node)" if ranks > 1 else ""
             raise AsyncSaveError(
-                f"async_with_pinned_mem needs {human_bytes(nbytes)} of shared memory for its "
-                f"staging buffers, and {SHM_DIR} has {human_bytes(free)} free; enlarge it (e.g. "
-                'docker run --shm-size=...), or use async_mode = "async" (process-private '
-                "buffers and a writer thread)"
+                f"async_with_pinned_mem needs {human_bytes(nbytes)} of shared memory for this "
+                f"rank's staging buffers, and {SHM_DIR}{share} has {human_bytes(free)} free; "
+                'enlarge it (e.g. docker run --shm-size=...), or use async_mode = "async" '
+                "(process-private buffers and a writer thread)"
             )
 
     def _copy_on_side_stream(self, sources: dict[str, torch.Tensor]) -> None:
