@@ -1,6 +1,7 @@
 """Under torchrun: build the trainer at this world size, load a checkpoint, and write the full
 (unsharded) model and optimizer state plus the other restored state to one file (rank 0)."""
 
+import os
 import sys
 
 import torch
@@ -45,3 +46,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter finalization: see dcpkit/train/__main__.py
