@@ -500,3 +500,5 @@ def _writer_main(conn: Any, addr: str, port: int, rank: int, world: int, parent:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     if torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+    # Nothing is left to do; skip interpreter finalization, where gloo's threads can abort.
+    os._exit(0)
