@@ -283,13 +283,15 @@ def materialize(url: str, storage_options: dict | None = None) -> tempfile.Tempo
 
 
 _SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit
+_SMALL_FILE = 64 << 20  # other files up to this size are copied (metadata, configs, tokenizers)
 
 
 def fetch_skeleton(url: str, storage_options: dict | None = None) -> tempfile.TemporaryDirectory:
     """A metadata-only local copy of a remote checkpoint folder, for the tools that read no
     tensor data (``inspect``, and ``verify`` with the checksums computed remotely): small files
-    in full; ``.distcp`` files as sparse files of their true size; ``.safetensors`` files as
-    their header in a sparse file of their true size. A single file is downloaded whole."""
+    in full; ``.distcp`` files and other large files as sparse files of their true size;
+    ``.safetensors`` files as their header in a sparse file of their true size. A single file is
+    downloaded whole."""
     remote = Remote(url, storage_options)
     remote.check_reachable()
     if remote.fs.isfile(remote.path) or not remote.fs.exists(remote.path):
@@ -302,7 +304,7 @@ def fetch_skeleton(url: str, storage_options: dict | None = None) -> tempfile.Te
             continue
         name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
         size, local = int(entry["size"]), dest / name
-        if name.endswith(".distcp"):
+        if name.endswith(".distcp") or (size > _SMALL_FILE and not name.endswith(".safetensors")):
             with open(local, "wb") as f:
                 f.truncate(size)
         elif name.endswith(".safetensors"):
