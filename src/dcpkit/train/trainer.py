@@ -22,6 +22,7 @@ from dcpkit import dist
 from dcpkit.config import ConfigError
 from dcpkit.manager import CheckpointError, CheckpointManager, HFModel
 from dcpkit.models import build_model, flavors
+from dcpkit.staging import AsyncSaveError
 from dcpkit.train.config import TrainConfig, load_config
 from dcpkit.train.data import GlobalBatchLoader, TokenSamples, prepare_corpus
 from dcpkit.train.grad import clip_grad_norm_
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         Trainer(cfg).fit()
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, AsyncSaveError, FileNotFoundError) as e:
         if dist.rank() == 0:
             print(f"error: {e}", file=sys.stderr)
         if torch_dist.is_initialized():
