@@ -192,6 +192,8 @@ def main() -> int:
     opts = parser.parse_args()
     if opts.saves < 3:
         parser.error("--saves must be >= 3 (medians are taken from the third save on)")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     if opts._worker:
         res = worker(opts._worker, opts.gb, opts.saves, opts.device, opts.workdir)
         print("RESULT " + json.dumps(res))
@@ -236,6 +238,9 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ok = {m: r for m, r in results.items() if "error" not in r}
+    if not ok:
+        print("every mode failed; nothing to report", file=sys.stderr)
+        return 1
     floor = statistics.median(r["copy_floor_s"] for r in ok.values())
     sync = statistics.median(ok["disabled"]["blocked_s"][2:]) if "disabled" in ok else None
     gib = next(iter(ok.values()))["state_bytes"] / (1 << 30)

@@ -12,11 +12,14 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
 
-python3 - <<'EOF' 2>&1 | tee "$out/env.log"
-import torch
+{
+    python3 -c 'import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda)
-print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
-EOF
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")'
+    echo "locked-memory limit (ulimit -l): $(ulimit -l)"
+    echo "/dev/shm: $(df -h /dev/shm | tail -1)"
+    echo "cpus: $(nproc)"
+} 2>&1 | tee "$out/env.log"
 
 echo "== CUDA tests"
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py \
