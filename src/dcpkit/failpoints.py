@@ -16,8 +16,8 @@ POINTS = ("mid_write", "after_write", "before_publish", "after_publish")
 
 
 def hit(name: str, step: int, rank: int, pid: int | None = None) -> None:
-    """Kill ``pid`` (default: this process) with SIGKILL if ``DCPKIT_FAILPOINT`` names this
-    point. A background writer process passes its parent's pid: the training process dies."""
+    """SIGKILL this process if ``DCPKIT_FAILPOINT`` names this point. A background writer
+    process passes its parent's pid: the training process is killed first, then the writer."""
     spec = os.environ.get(ENV)
     if not spec:
         return
@@ -28,4 +28,9 @@ def hit(name: str, step: int, rank: int, pid: int | None = None) -> None:
         return
     if len(parts) > 2 and int(parts[2]) != rank:
         return
-    os.kill(pid or os.getpid(), signal.SIGKILL)
+    if pid is not None and pid != os.getpid():
+        os.kill(pid, signal.SIGKILL)
+        # The writer dies with its training process, as PR_SET_PDEATHSIG makes it do a moment
+        # later: now, so that no step can be published in between and the test is exact. (A
+        # write that does finish in that moment publishes a complete step, which is correct.)
+    os.kill(os.getpid(), signal.SIGKILL)
