@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -190,6 +191,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention. Subclasses choose the RoPE (``rotate``) and may add an RMSNorm
+    over each query and key head before it (``qk_norm``, as Qwen 3 does)."""
+
+    qk_norm = False
+
     def __init__(self, args: Llama3Args) -> None:
         super().__init__()
         self.head_dim = args.head_dim
@@ -198,19 +204,33 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+
+    @staticmethod
+    def rotate(
+        xq: torch.Tensor, xk: torch.Tensor, rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary_emb(xq, xk, rope)
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        if self.qk_norm:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bs, seq_len, _ = x.shape
         # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
         xq = self.wq(x).view(bs, seq_len, -1, self.head_dim)
         xk = self.wk(x).view(bs, seq_len, -1, self.head_dim)
         xv = self.wv(x).view(bs, seq_len, -1, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        if self.qk_norm:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
+        xq, xk = self.rotate(xq, xk, rope)
         if self.n_rep > 1:
             xk = xk.repeat_interleave(self.n_rep, dim=2)
             xv = xv.repeat_interleave(self.n_rep, dim=2)
@@ -237,17 +257,19 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    attention_cls: type[Attention] = Attention
+
     def __init__(self, layer_id: int, args: Llama3Args) -> None:
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = self.attention_cls(args)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         # TorchTitan's depth-scaled init of the output projections.
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -258,27 +280,33 @@ class TransformerBlock(nn.Module):
 
 
 class Llama3(nn.Module):
-    """Token ids ``[batch, seq]`` -> logits ``[batch, seq, vocab]``."""
+    """Token ids ``[batch, seq]`` -> logits ``[batch, seq, vocab]``. Other decoder families
+    subclass it with their own block (``block_cls``) and RoPE table (``precompute_rope``)."""
+
+    block_cls: type[TransformerBlock] = TransformerBlock
 
     def __init__(self, args: Llama3Args) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed "0", "1", ... keeps TorchTitan's ``layers.{i}`` names.
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): self.block_cls(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+        # The RoPE table: recomputed at build, never checkpointed.
+        self.register_buffer("freqs_cis", self.precompute_rope(args), persistent=False)
+
+    @staticmethod
+    def precompute_rope(args: Llama3Args) -> torch.Tensor:
+        return precompute_freqs_cis(args)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter and buffer (also after ``to_empty`` from meta)."""
         device = buffer_device or self.freqs_cis.device
         with torch.device(device):
-            self.freqs_cis = precompute_freqs_cis(self.args)
+            self.freqs_cis = self.precompute_rope(self.args)
         # Tied embeddings take the output projection's init (as in TorchTitan): a unit-normal
         # embedding used as the output would start with enormous logits.
         if not self.args.tie_word_embeddings:
@@ -299,19 +327,33 @@ class Llama3(nn.Module):
         return self.output(self.norm(h))
 
 
-def build_llama3(flavor: str | Llama3Args, **overrides: object) -> Llama3:
-    """Build a Llama 3 model of a named flavor (or explicit args), with field overrides."""
-    if isinstance(flavor, Llama3Args):
-        args = flavor
-    else:
+def build_decoder(
+    model_cls: type[Llama3],
+    family: str,
+    flavors: dict[str, Any],
+    flavor: Any,
+    overrides: dict[str, object],
+) -> Llama3:
+    """Build ``model_cls`` from a named flavor of ``flavors`` (or explicit args), with field
+    overrides; initialised unless built on the meta device."""
+    if isinstance(flavor, str):
         try:
-            args = LLAMA3_FLAVORS[flavor]
+            args = flavors[flavor]
         except KeyError:
-            known = ", ".join(LLAMA3_FLAVORS)
-            raise ValueError(f"unknown llama3 flavor {flavor!r}; known flavors: {known}") from None
+            known = ", ".join(flavors)
+            raise ValueError(
+                f"unknown {family} flavor {flavor!r}; known flavors: {known}"
+            ) from None
+    else:
+        args = flavor
     if overrides:
         args = replace(args, **overrides)
-    model = Llama3(args)
+    model = model_cls(args)
     if not any(p.is_meta for p in model.parameters()):
         model.init_weights()
     return model
+
+
+def build_llama3(flavor: str | Llama3Args, **overrides: object) -> Llama3:
+    """Build a Llama 3 model of a named flavor (or explicit args), with field overrides."""
+    return build_decoder(Llama3, "llama3", LLAMA3_FLAVORS, flavor, overrides)

@@ -9,13 +9,12 @@ queries and keys, before RoPE. RoPE rotates halves (as HF does); ``head_dim`` is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from dcpkit.models.llama3 import FeedForward, RMSNorm
+from dcpkit.models import llama3
+from dcpkit.models.llama3 import build_decoder
 
 
 @dataclass(frozen=True)
@@ -48,6 +47,10 @@ class Qwen3Args:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return self.hidden_dim
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -108,112 +111,23 @@ def apply_rotary_emb(
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
-class Attention(nn.Module):
-    def __init__(self, args: Qwen3Args) -> None:
-        super().__init__()
-        self.head_dim = args.head_dim
-        self.n_rep = args.n_heads // args.n_kv_heads
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
-
-    def init_weights(self, init_std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
-        self.q_norm.reset_parameters()
-        self.k_norm.reset_parameters()
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        bs, seq_len, _ = x.shape
-        # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
-        xq = self.q_norm(self.wq(x).view(bs, seq_len, -1, self.head_dim))
-        xk = self.k_norm(self.wk(x).view(bs, seq_len, -1, self.head_dim))
-        xv = self.wv(x).view(bs, seq_len, -1, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, rope_cache)
-        if self.n_rep > 1:
-            xk = xk.repeat_interleave(self.n_rep, dim=2)
-            xv = xv.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True
-        )
-        return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
+class Attention(llama3.Attention):
+    qk_norm = True
+    rotate = staticmethod(apply_rotary_emb)
 
 
-class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: Qwen3Args) -> None:
-        super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+class TransformerBlock(llama3.TransformerBlock):
+    attention_cls = Attention
 
 
-class Qwen3(nn.Module):
-    """Token ids ``[batch, seq]`` -> logits ``[batch, seq, vocab]``."""
+class Qwen3(llama3.Llama3):
+    """Token ids ``[batch, seq]`` -> logits ``[batch, seq, vocab]``; the RoPE table
+    (``freqs_cis``) holds cos and sin (``precompute_rope_cache``)."""
 
-    def __init__(self, args: Qwen3Args) -> None:
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Initialise every parameter and buffer (also after ``to_empty`` from meta)."""
-        device = buffer_device or self.rope_cache.device
-        with torch.device(device):
-            self.rope_cache = precompute_rope_cache(self.args)
-        # Tied embeddings take the output projection's init (as in TorchTitan): a unit-normal
-        # embedding used as the output would start with enormous logits.
-        if not self.args.tie_word_embeddings:
-            nn.init.normal_(self.tok_embeddings.weight)
-        for block in self.layers.values():
-            block.init_weights()
-        self.norm.reset_parameters()
-        std = self.args.dim**-0.5
-        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            h = block(h, self.rope_cache)
-        return self.output(self.norm(h))
+    block_cls = TransformerBlock
+    precompute_rope = staticmethod(precompute_rope_cache)
 
 
 def build_qwen3(flavor: str | Qwen3Args, **overrides: object) -> Qwen3:
     """Build a Qwen 3 model of a named flavor (or explicit args), with field overrides."""
-    if isinstance(flavor, Qwen3Args):
-        args = flavor
-    else:
-        try:
-            args = QWEN3_FLAVORS[flavor]
-        except KeyError:
-            known = ", ".join(QWEN3_FLAVORS)
-            raise ValueError(f"unknown qwen3 flavor {flavor!r}; known flavors: {known}") from None
-    if overrides:
-        args = replace(args, **overrides)
-    model = Qwen3(args)
-    if not any(p.is_meta for p in model.parameters()):
-        model.init_weights()
-    return model
+    return build_decoder(Qwen3, "qwen3", QWEN3_FLAVORS, flavor, overrides)
