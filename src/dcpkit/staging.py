@@ -206,36 +206,27 @@ class AsyncCheckpointer:
         return items
 
     def _ensure_buffers(self, sources: dict[str, torch.Tensor]) -> bool:
-        """Allocate buffers for new or changed shapes only; True if any were allocated."""
-        needed = {
-            fqn: src.numel() * src.element_size()
-            for fqn, src in sources.items()
-            if not (
-                (buf := self.buffers.get(fqn)) is not None
-                and buf.shape == src.shape
-                and buf.dtype == src.dtype
-            )
-        }
-        if needed and self.use_process:
-            self._check_shared_memory(sum(needed.values()))
-        changed = False
+        """Allocate buffers for new or changed shapes only; True if any changed."""
+        stale = {}
         for fqn, src in sources.items():
             buf = self.buffers.get(fqn)
-            if buf is not None and buf.shape == src.shape and buf.dtype == src.dtype:
-                continue
-            if buf is not None:
-                _unpin(buf)  # no save is in flight (save() waited): the old buffer is unused
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                stale[fqn] = src
+        if stale and self.use_process:
+            self._check_shared_memory(sum(t.numel() * t.element_size() for t in stale.values()))
+        for fqn, src in stale.items():
+            if fqn in self.buffers:
+                _unpin(self.buffers[fqn])  # no save is in flight (save() waited): unused
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
             if self.use_process:
                 buf.share_memory_()
             if self.pin and src.is_cuda and buf.numel() and not self._pin_failed:
                 self._pin_failed = not _pin(buf)
             self.buffers[fqn] = buf
-            changed = True
-        for fqn in set(self.buffers) - set(sources):
+        removed = set(self.buffers) - set(sources)
+        for fqn in removed:
             _unpin(self.buffers.pop(fqn))
-            changed = True
-        if needed:
+        if stale:
             total = sum(b.numel() * b.element_size() for b in self.buffers.values())
             kind = "shared memory" if self.use_process else "memory"
             if any(b.data_ptr() in _PINNED for b in self.buffers.values()):
@@ -246,7 +237,7 @@ class AsyncCheckpointer:
                 human_bytes(total),
                 kind,
             )
-        return changed
+        return bool(stale or removed)
 
     def _check_shared_memory(self, nbytes: int) -> None:
         """Shared buffers live in /dev/shm; one that does not fit would crash the process with
