@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dcpkit.convert.torchfile import TorchSaveFile
+from dcpkit.dist import quiet_single_process
 from dcpkit.files import open_binary
 
 METADATA = ".metadata"
@@ -253,8 +253,7 @@ def write_dcp(
     chunks a multiple of that many rows (for row-block transforms).
     """
     planner = _LazySavePlanner(produce, max_chunk_bytes, on_written, row_block or {})
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with quiet_single_process():
         # One file per tensor chunk: DCP's writer keeps every tensor of a file referenced until
         # that file is done, so one file per rank would hold the whole model in memory.
         writer = FileSystemWriter(str(path), single_file_per_rank=False)
