@@ -95,13 +95,13 @@ def _local(path: str | None, keep: list, data: bool = True) -> str | None:
     """A local stand-in for a remote (``s3://``, ...) checkpoint, in a temporary folder that
     lives as long as ``keep``: its metadata, with tensor data read from the remote files as it is
     needed (``data=False``: never read). Local paths are returned as they are."""
-    from dcpkit.remote import fetch_skeleton, is_url, stream_copy
+    from dcpkit.remote import copy_path, fetch_skeleton, is_url, stream_copy
 
     if path is None or not is_url(path):
         return path
     tmp = stream_copy(path) if data else fetch_skeleton(path)
     keep.append(tmp)
-    return str(Path(tmp.name) / path.rstrip("/").rsplit("/", 1)[-1])
+    return str(copy_path(tmp, path))
 
 
 def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:

@@ -445,10 +445,10 @@ class CheckpointManager:
         store, read in place by range requests)."""
         if is_url(path):
             from dcpkit.files import forget_origin
-            from dcpkit.remote import stream_copy
+            from dcpkit.remote import copy_path, stream_copy
 
             tmp = stream_copy(str(path), self.config.storage_options)
-            local = Path(tmp.name) / str(path).rstrip("/").rsplit("/", 1)[-1]
+            local = copy_path(tmp, str(path))
             try:
                 self._load_hf_folder(local, str(path))
             finally:

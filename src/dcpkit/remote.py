@@ -266,19 +266,24 @@ def verify_remote(remote: Remote, name: str, names: list[str] | None = None) -> 
     return problems
 
 
+def copy_path(copy: tempfile.TemporaryDirectory, url: str) -> Path:
+    """Where the local copy (``materialize``, ``fetch_skeleton``, ``stream_copy``) of ``url``
+    lies: its last path component, in the temporary folder."""
+    return Path(copy.name) / url.rstrip("/").rsplit("/", 1)[-1]
+
+
 def materialize(url: str, storage_options: dict | None = None) -> tempfile.TemporaryDirectory:
     """Download a remote checkpoint folder (or file) to a temporary folder for the tools that
     read local files. The caller keeps the returned object alive while it reads."""
     remote = Remote(url, storage_options)
     remote.check_reachable()
     tmp = tempfile.TemporaryDirectory(prefix="dcpkit-remote-")
-    base = url.rstrip("/").rsplit("/", 1)[-1]
     if remote.fs.isfile(remote.path):
-        remote.fs.get(remote.path, str(Path(tmp.name) / base))
+        remote.fs.get(remote.path, str(copy_path(tmp, url)))
     else:
         if not remote.fs.exists(remote.path):
             raise FileNotFoundError(f"{url} does not exist")
-        remote.download("", Path(tmp.name) / base)
+        remote.download("", copy_path(tmp, url))
     return tmp
 
 
@@ -297,7 +302,7 @@ def fetch_skeleton(url: str, storage_options: dict | None = None) -> tempfile.Te
     if remote.fs.isfile(remote.path) or not remote.fs.exists(remote.path):
         return materialize(url, storage_options)
     tmp = tempfile.TemporaryDirectory(prefix="dcpkit-remote-")
-    dest = Path(tmp.name) / url.rstrip("/").rsplit("/", 1)[-1]
+    dest = copy_path(tmp, url)
     dest.mkdir()
     for entry in remote.fs.ls(remote.path, detail=True, refresh=True):
         if entry.get("type") != "file":
@@ -331,7 +336,7 @@ def stream_copy(url: str, storage_options: dict | None = None) -> tempfile.Tempo
     from dcpkit.files import register_origin
 
     tmp = fetch_skeleton(url, storage_options)
-    local = Path(tmp.name) / url.rstrip("/").rsplit("/", 1)[-1]
+    local = copy_path(tmp, url)
     if local.is_dir():
         remote = Remote(url, storage_options)
 
@@ -356,7 +361,7 @@ def verify_url(url: str, checksums: bool = True, storage_options: dict | None = 
     remote = Remote(url, storage_options)
     tmp = fetch_skeleton(url, storage_options)
     try:
-        local = Path(tmp.name) / remote.url.rsplit("/", 1)[-1]
+        local = copy_path(tmp, url)
         if local.is_file():
             report = verify_path(local)  # a single file: downloaded whole, checked locally
         else:
