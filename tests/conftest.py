@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as torch_dist
 
 from dcpkit.launch import torchrun_command
 
@@ -81,6 +82,14 @@ def copy_checkpoint(src_dump: Path, step: int, dst_dump: Path) -> None:
     dst = dst_dump / "checkpoint" / f"step-{step}"
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(src_dump / "checkpoint" / f"step-{step}", dst)
+
+
+@pytest.fixture
+def process_group():
+    """A one-process gloo group, for code under test that needs one in this process."""
+    torch_dist.init_process_group("gloo", store=torch_dist.HashStore(), rank=0, world_size=1)
+    yield
+    torch_dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as td
 
 from conftest import read_metrics, run_train
 from dcpkit import CheckpointConfig, CheckpointManager, layout
@@ -55,13 +54,6 @@ def test_sigkill_during_async_save(mode, reference_run, tmp_path):
     ref, got = read_metrics(reference_run), read_metrics(dump)
     for step in range(6, 21):
         assert got[step]["loss"] == ref[step]["loss"], f"step {step}"
-
-
-@pytest.fixture
-def process_group():
-    td.init_process_group("gloo", store=td.HashStore(), rank=0, world_size=1)
-    yield
-    td.destroy_process_group()
 
 
 def _rss() -> int:

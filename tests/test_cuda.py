@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as td
 
 from conftest import read_metrics, run_train
 from dcpkit import CheckpointConfig, CheckpointManager, layout
@@ -19,13 +18,6 @@ from dcpkit.models import build_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 MODES = ["disabled", "async", "async_with_pinned_mem"]
-
-
-@pytest.fixture
-def process_group():
-    td.init_process_group("gloo", store=td.HashStore(), rank=0, world_size=1)
-    yield
-    td.destroy_process_group()
 
 
 def _model(device: str) -> torch.nn.Module:
