@@ -25,6 +25,8 @@ OLD_PREFIX = ".old-step-"
 METADATA = ".metadata"
 MANIFEST = "dcpkit.json"
 HF_INDEX = "model.safetensors.index.json"
+HF_FILES = frozenset({HF_INDEX, "model.safetensors"})
+"""Either makes a folder a Hugging Face safetensors folder (an index, or a single file)."""
 COMMIT_MARKER = ".dcpkit-committed"
 """Written last into a remote step folder: only then is it a checkpoint (object stores)."""
 
@@ -39,8 +41,7 @@ def temp_dir(folder: str | Path, step: int) -> Path:
 
 def is_hf(path: str | Path) -> bool:
     """A Hugging Face safetensors folder (an index, or a single ``model.safetensors``)."""
-    p = Path(path)
-    return (p / HF_INDEX).is_file() or (p / "model.safetensors").is_file()
+    return any((Path(path) / name).is_file() for name in HF_FILES)
 
 
 def is_complete(path: str | Path) -> bool:

@@ -254,7 +254,7 @@ class CheckpointManager:
             names = set(remote.ls_names())
         except RemoteError as e:
             return LoadPlan.failed(f"[checkpoint] initial_load_path {e}")
-        if cfg.initial_load_in_hf and not names & {layout.HF_INDEX, "model.safetensors"}:
+        if cfg.initial_load_in_hf and not names & layout.HF_FILES:
             return LoadPlan.failed(
                 f"[checkpoint] initial_load_path {url!r} holds no Hugging Face safetensors "
                 f"(model.safetensors or {layout.HF_INDEX}), and initial_load_in_hf = true"
@@ -371,7 +371,7 @@ class CheckpointManager:
         """
         if is_url(path):
             names = set(Remote(str(path), self.config.storage_options).ls_names())
-            if names & {layout.HF_INDEX, "model.safetensors"} and layout.METADATA not in names:
+            if names & layout.HF_FILES and layout.METADATA not in names:
                 self._load_hf(path)
                 return [MODEL]
         else:
