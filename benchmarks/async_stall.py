@@ -122,8 +122,7 @@ def worker(mode: str, gib: float, saves: int, device: str, work: Path) -> dict:
             mgr.save(i)
             mgr.maybe_wait_for_staging()
             blocked.append(time.perf_counter() - t0)
-            if mgr._async is not None:
-                mgr._async.wait()
+            mgr.wait()  # durable, and old steps deleted
             total.append(time.perf_counter() - t0)
             rss.append(_rss())
             if mode == "disabled":

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dcpkit.convert.adapters import get_adapter
-from dcpkit.convert.dcpio import meta_tensor, write_dcp
+from dcpkit.formats.dcp import meta_tensor, write_dcp
 from dcpkit.models.llama3 import Llama3Args
 
 IMPORTS = (

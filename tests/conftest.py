@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,69 @@ def stopped_run(tmp_path_factory) -> Path:
     dump = tmp_path_factory.mktemp("stopped")
     run_train(2, dump, "--training.stop_at_step", "10")
     return dump
+
+
+def read_manifest(step_folder: Path) -> dict:
+    """The manifest (``dcpkit.json``) of a local checkpoint, as written."""
+    return json.loads((step_folder / "dcpkit.json").read_text())
+
+
+# --- a real S3-compatible server on loopback ------------------------------------------------
+
+BUCKET = "dcpkit-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto(log_path, extra_env=None) -> tuple[subprocess.Popen, int]:
+    """A moto S3 server on 127.0.0.1 (a real HTTP server speaking the S3 protocol)."""
+    port = _free_port()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(extra_env or {})},
+        )
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, port
+        except OSError:
+            if time.time() > deadline or server.poll() is not None:
+                server.kill()
+                raise RuntimeError("the moto S3 server did not start") from None
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A moto S3 server, with credentials and endpoint in the environment."""
+    server, port = start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        fs.mkdir(BUCKET)
+        yield fs
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

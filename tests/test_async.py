@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_train
-from dcpkit import CheckpointConfig, CheckpointManager, layout
+from dcpkit import CheckpointConfig, CheckpointManager
+from dcpkit.engine.async_save import AsyncSaveError
 from dcpkit.models import build_model
-from dcpkit.staging import AsyncSaveError
-from dcpkit.verify import verify_path
+from dcpkit.storage import open_store
+from dcpkit.tools.verify import verify_path
 
 MODES = ["async", "async_with_pinned_mem"]
 
@@ -21,7 +22,7 @@ MODES = ["async", "async_with_pinned_mem"]
 def test_resume_from_async_checkpoint_is_bitwise(mode, reference_run, tmp_path):
     dump = tmp_path / "run"
     run_train(2, dump, "--checkpoint.async_mode", mode, "--training.stop_at_step", "12")
-    steps = layout.published_steps(dump / "checkpoint")
+    steps = open_store(dump / "checkpoint").published_steps()
     assert steps == [5, 10, 12]  # 5 and 10 written in the background, 12 at the stop
     assert verify_path(dump / "checkpoint" / "step-10").ok
     # Resume from the background-written step 10, not from the stop's synchronous save.
@@ -48,7 +49,7 @@ def test_sigkill_during_async_save(mode, reference_run, tmp_path):
         check=False,
     )
     assert proc.returncode != 0
-    assert layout.published_steps(dump / "checkpoint") == [5]
+    assert open_store(dump / "checkpoint").published_steps() == [5]
     proc = run_train(2, dump, "--checkpoint.async_mode", mode)
     assert "step-5" in proc.stdout
     ref, got = read_metrics(reference_run), read_metrics(dump)
@@ -86,7 +87,7 @@ def test_memory_is_flat_and_buffers_reused(mode, tmp_path, process_group):
     # set of buffers would add the whole state, 180 MiB, per save).
     growth = max(rss[2:]) - max(rss[:2])
     assert growth < 0.15 * state_bytes, (growth, state_bytes, rss)
-    assert layout.published_steps(tmp_path / "checkpoint") == [9, 10]
+    assert open_store(tmp_path / "checkpoint").published_steps() == [9, 10]
     # What was written is the state at save time (step 10's), not later.
     fresh = build_model("llama3", "debugmodel", max_seq_len=16, dim=512, n_layers=4)
     CheckpointManager(CheckpointConfig(enable=True), tmp_path, fresh).load()
@@ -110,13 +111,13 @@ def test_writer_failure_surfaces_naming_the_step(mode, tmp_path, process_group):
     (tmp_path / "checkpoint" / ".tmp-step-2").unlink()
     mgr.save(4)
     mgr.close()
-    assert layout.published_steps(tmp_path / "checkpoint") == [1, 4]
+    assert open_store(tmp_path / "checkpoint").published_steps() == [1, 4]
 
 
 def test_shared_memory_shortage_is_refused_with_advice(tmp_path, process_group, monkeypatch):
     """Staging buffers that would not fit in /dev/shm (a container's default is 64 MiB) are
     refused before allocation, with what to do, instead of a SIGBUS at first touch."""
-    import dcpkit.staging as staging
+    import dcpkit.engine.async_save as staging
 
     monkeypatch.setattr(staging, "_shm_free", lambda: 1 << 20)  # a /dev/shm with 1 MiB free
     model = build_model("llama3", "debugmodel", max_seq_len=16, n_layers=1)
@@ -130,4 +131,4 @@ def test_shared_memory_shortage_is_refused_with_advice(tmp_path, process_group, 
     cfg = CheckpointConfig(enable=True, interval=1, async_mode="async")
     with CheckpointManager(cfg, tmp_path / "thread", model) as mgr:
         mgr.save(1)
-    assert layout.published_steps(tmp_path / "thread" / "checkpoint") == [1]
+    assert open_store(tmp_path / "thread" / "checkpoint").published_steps() == [1]

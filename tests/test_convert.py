@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from dcpkit.convert.adapters import get_adapter
-from dcpkit.convert.dcpio import DCPCheckpoint
 from dcpkit.convert.hf import from_hf, to_hf
 from dcpkit.convert.torch_save import from_torch, to_torch
+from dcpkit.formats.dcp import DCPCheckpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -217,7 +217,7 @@ def _assert_clean_failure(proc, expected: str, out: Path | None = None) -> None:
     assert "Traceback" not in proc.stderr
     if out is not None:
         assert not out.exists()
-        assert not list(out.parent.glob(f".{out.name}.partial*"))
+        assert not list(out.parent.glob(f".tmp-{out.name}*"))
 
 
 def test_bad_inputs_fail_cleanly(stopped_run, tmp_path):

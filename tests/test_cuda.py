@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_train
-from dcpkit import CheckpointConfig, CheckpointManager, layout
+from dcpkit import CheckpointConfig, CheckpointManager
 from dcpkit.models import build_model
+from dcpkit.storage import open_store
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -54,7 +55,7 @@ def test_saved_state_is_the_state_at_save_time(mode, tmp_path, process_group):
     mgr.close()
     if pointers:
         assert all(p == pointers[0] for p in pointers)  # allocated once, reused
-    assert layout.published_steps(tmp_path / "checkpoint") == [2, 3]
+    assert open_store(tmp_path / "checkpoint").published_steps() == [2, 3]
     fresh = _model("cpu")
     CheckpointManager(CheckpointConfig(enable=True), tmp_path, fresh).load()
     for key, value in fresh.state_dict().items():
@@ -67,7 +68,7 @@ def test_resume_from_pinned_async_checkpoint_is_bitwise(tmp_path):
     dump = tmp_path / "pinned"
     mode = ("--checkpoint.async_mode", "async_with_pinned_mem")
     run_train(1, dump, *mode, "--training.stop_at_step", "12")
-    assert layout.published_steps(dump / "checkpoint") == [5, 10, 12]
+    assert open_store(dump / "checkpoint").published_steps() == [5, 10, 12]
     shutil.rmtree(dump / "checkpoint" / "step-12")  # resume from the background-written step
     proc = run_train(1, dump, *mode)
     assert "step-10" in proc.stdout

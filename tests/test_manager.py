@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager, ConfigError, layout
+from conftest import read_manifest
+from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager, ConfigError
 from dcpkit.models import build_model
+from dcpkit.storage import open_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -114,7 +116,7 @@ def test_load_step(tmp_path):
     model, opt, sched, counter = _setup()
     mgr = _manager(tmp_path, model, opt, sched, counter, interval=2)
     _train(model, opt, sched, counter, 4, mgr)
-    assert layout.published_steps(tmp_path / "checkpoint") == [2, 4]
+    assert open_store(tmp_path / "checkpoint").published_steps() == [2, 4]
     model2, opt2, sched2, counter2 = _setup()
     assert _manager(tmp_path, model2, opt2, sched2, counter2, load_step=2).load() == 2
     assert counter2.step == 2
@@ -142,7 +144,7 @@ def test_last_save_is_model_only_in_export_dtype(tmp_path):
     meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     assert set(meta) == set(model.state_dict())
     assert all(m.properties.dtype == torch.bfloat16 for m in meta.values())
-    manifest = layout.read_manifest(ckpt)
+    manifest = read_manifest(ckpt)
     assert manifest["model_only"] and manifest["dtype"] == "bfloat16"
     # A fresh fp32 model loads it (the optimizer starts fresh, with a warning).
     model2, opt2, sched2, counter2 = _setup(seed=1)
@@ -187,9 +189,10 @@ def test_retention_and_leftovers(tmp_path):
     (folder / ".tmp-step-99" / "__0_0.distcp").write_bytes(b"partial")
     (folder / "step-50").mkdir()  # a step folder without metadata: never picked
     mgr = _manager(tmp_path, model, opt, sched, counter, interval=1, keep_latest_k=2)
-    assert layout.leftovers(folder) == []  # cleaned when the manager starts
+    assert open_store(folder).incomplete_names() == []  # cleaned when the manager starts
     _train(model, opt, sched, counter, 4, mgr)
-    assert layout.published_steps(folder) == [3, 4]
+    mgr.wait()  # old steps are deleted in the background
+    assert open_store(folder).published_steps() == [3, 4]
     assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
 
 

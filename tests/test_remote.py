@@ -4,74 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from conftest import read_metrics, run_train
+from conftest import BUCKET, read_metrics, run_train, start_moto
 from dcpkit.layout import COMMIT_MARKER
-
-BUCKET = "dcpkit-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_moto(log_path, extra_env=None) -> tuple[subprocess.Popen, int]:
-    """A moto S3 server on 127.0.0.1 (a real HTTP server speaking the S3 protocol)."""
-    port = _free_port()
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(extra_env or {})},
-        )
-    deadline = time.time() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server, port
-        except OSError:
-            if time.time() > deadline or server.poll() is not None:
-                server.kill()
-                raise RuntimeError("the moto S3 server did not start") from None
-            time.sleep(0.2)
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A moto S3 server, with credentials and endpoint in the environment."""
-    server, port = _start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        import s3fs
-
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir(BUCKET)
-        yield fs
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -119,29 +58,27 @@ def test_inspect_and_verify_read_no_tensor_data(s3, reference_run, tmp_path):
     the checksums from the remote files, so remote corruption is still found."""
     import torch
 
-    from dcpkit.convert.dcpio import DCPCheckpoint
-    from dcpkit.remote import fetch_skeleton, stream_copy
+    from dcpkit.formats.dcp import DCPCheckpoint
+    from dcpkit.storage import open_checkpoint
 
     local = reference_run / "checkpoint" / "step-20"
     url = f"s3://{BUCKET}/tools/checkpoint/step-20"
     s3.put(str(local), f"{BUCKET}/tools/checkpoint/step-20", recursive=True)
     s3.touch(f"{BUCKET}/tools/checkpoint/step-20/{COMMIT_MARKER}")
     data = sorted(f.name for f in local.iterdir() if f.suffix == ".distcp")
-    skeleton = fetch_skeleton(url)
-    try:
-        copy = Path(skeleton.name) / "step-20"
+    with open_checkpoint(url, data=False) as view:
+        copy = view.path
         for name in data:
             size = (local / name).stat().st_size
             assert (copy / name).stat().st_size == size
             assert (copy / name).stat().st_blocks * 512 < size // 4  # sparse: not downloaded
         assert (copy / ".metadata").read_bytes() == (local / ".metadata").read_bytes()
-    finally:
-        skeleton.cleanup()
+        with pytest.raises(RuntimeError, match="tensor data was not fetched"):
+            view.opener(copy / data[0])
     # Conversions and diff read the tensors from the remote files by range requests.
-    streamed = stream_copy(url)
-    try:
+    with open_checkpoint(url) as view:
         with (
-            DCPCheckpoint(Path(streamed.name) / "step-20") as remote_ckpt,
+            DCPCheckpoint(view.path, view.opener) as remote_ckpt,
             DCPCheckpoint(local) as local_ckpt,
         ):
             assert sorted(remote_ckpt.tensors) == sorted(local_ckpt.tensors)
@@ -150,9 +87,7 @@ def test_inspect_and_verify_read_no_tensor_data(s3, reference_run, tmp_path):
             name = "tok_embeddings.weight"
             assert torch.equal(remote_ckpt.read(name, (100, 300)), local_ckpt.read(name)[100:300])
         for name in data:
-            assert (Path(streamed.name) / "step-20" / name).stat().st_blocks * 512 < (1 << 20)
-    finally:
-        streamed.cleanup()
+            assert (view.path / name).stat().st_blocks * 512 < (1 << 20)
     proc = _cli("inspect", url, "--json")
     info = json.loads(proc.stdout)
     assert info["published"] and info["complete"] and info["world_size"] == 2
@@ -273,7 +208,7 @@ def test_missing_bucket_and_bad_url_name_the_url(s3, tmp_path):
 
 def test_wrong_credentials_name_the_url(tmp_path):
     # A server that checks every request's credentials: unknown keys are rejected.
-    server, port = _start_moto(tmp_path / "moto.log", {"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    server, port = start_moto(tmp_path / "moto.log", {"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
     try:
         env = {
             **os.environ,

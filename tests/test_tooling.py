@@ -18,7 +18,7 @@ import torch
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager
 from dcpkit.convert.hf import to_hf
 from dcpkit.models import build_model
-from dcpkit.verify import verify_path
+from dcpkit.tools.verify import verify_path
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -234,8 +234,8 @@ def _run_as_unprivileged(argv: list[str]) -> tuple[int, str]:
     import dcpkit.cli
     import dcpkit.convert.hf
     import dcpkit.convert.torch_save
-    import dcpkit.diff
-    import dcpkit.inspect
+    import dcpkit.tools.diff
+    import dcpkit.tools.inspect
 
     r, w = os.pipe()
     pid = os.fork()

@@ -15,14 +15,15 @@ from conftest import (
     CONFIG,
     ROOT,
     copy_checkpoint,
+    read_manifest,
     read_metrics,
     run_script,
     run_train,
     torchrun_env,
 )
-from dcpkit import layout
-from dcpkit.convert.dcpio import DCPCheckpoint
+from dcpkit.formats.dcp import DCPCheckpoint
 from dcpkit.models import build_model
+from dcpkit.storage import open_store
 
 pytestmark = pytest.mark.dist
 
@@ -38,9 +39,9 @@ def test_reference_run_writes_metrics_checkpoints_and_tokenizer(reference_run):
         assert rec["checkpoint_stall_s"] >= 0
         assert rec["checkpoint_saved"] == (step % 5 == 0)
     # keep_latest_k = 3 in the config: the oldest (step 5) is gone.
-    assert layout.published_steps(reference_run / "checkpoint") == [10, 15, 20]
-    assert layout.leftovers(reference_run / "checkpoint") == []
-    manifest = layout.read_manifest(reference_run / "checkpoint" / "step-10")
+    assert open_store(reference_run / "checkpoint").published_steps() == [10, 15, 20]
+    assert open_store(reference_run / "checkpoint").incomplete_names() == []
+    manifest = read_manifest(reference_run / "checkpoint" / "step-10")
     assert manifest["world_size"] == 2 and manifest["step"] == 10
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(manifest["files"])
     assert manifest["groups"] == [
@@ -64,7 +65,7 @@ def test_reference_run_writes_metrics_checkpoints_and_tokenizer(reference_run):
 def test_stop_and_resume_at_same_world_size_is_bitwise(reference_run, stopped_run, tmp_path):
     dump = tmp_path / "resumed"
     shutil.copytree(stopped_run, dump)
-    assert layout.published_steps(dump / "checkpoint") == [5, 10]
+    assert open_store(dump / "checkpoint").published_steps() == [5, 10]
     proc = run_train(2, dump)
     assert "loaded" in proc.stdout and "step-10" in proc.stdout
     ref, got = read_metrics(reference_run), read_metrics(dump)
@@ -147,13 +148,13 @@ def test_sigkill_during_save_resumes_from_previous_step(reference_run, tmp_path,
     proc = run_train(2, dump, env={"DCPKIT_FAILPOINT": failpoint}, check=False)
     assert proc.returncode != 0
     folder = dump / "checkpoint"
-    assert layout.published_steps(folder) == [5]
-    assert [p.name for p in layout.leftovers(folder)] == [".tmp-step-10"]
-    assert layout.latest_step(folder) == 5
+    assert open_store(folder).published_steps() == [5]
+    assert open_store(folder).incomplete_names() == [".tmp-step-10"]
+    assert open_store(folder).latest_step() == 5
 
     proc = run_train(2, dump)
     assert "step-5" in proc.stdout
-    assert layout.leftovers(folder) == []
+    assert open_store(folder).incomplete_names() == []
     ref, got = read_metrics(reference_run), read_metrics(dump)
     for step in range(6, 21):
         assert got[step]["loss"] == ref[step]["loss"], f"step {step}"
@@ -216,7 +217,7 @@ def test_dcpkit_train_command_launches_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step    3" in proc.stdout
     assert sorted(read_metrics(dump)) == [1, 2, 3]
-    assert layout.published_steps(dump / "checkpoint") == [2, 3]
+    assert open_store(dump / "checkpoint").published_steps() == [2, 3]
 
 
 def test_trainer_initial_load_in_hf_and_last_save_in_hf(stopped_run, tmp_path):
@@ -264,7 +265,7 @@ def test_trainer_initial_load_in_hf_and_last_save_in_hf(stopped_run, tmp_path):
 
     final = from_hf_run / "checkpoint" / "step-2"
     assert (final / "model.safetensors.index.json").is_file()
-    assert layout.published_steps(from_hf_run / "checkpoint") == [2]
+    assert open_store(from_hf_run / "checkpoint").published_steps() == [2]
     model = AutoModelForCausalLM.from_pretrained(str(final))
     assert model.config.torch_dtype == torch.bfloat16 or model.dtype == torch.bfloat16
 
@@ -273,8 +274,8 @@ def test_seed_checkpoint_then_training_starts_from_it(tmp_path):
     dump = tmp_path / "seeded"
     proc = run_train(1, dump, "--checkpoint.create_seed_checkpoint", "true", "--training.seed", "7")
     assert "seed checkpoint written" in proc.stdout
-    assert layout.published_steps(dump / "checkpoint") == [0]
-    manifest = layout.read_manifest(dump / "checkpoint" / "step-0")
+    assert open_store(dump / "checkpoint").published_steps() == [0]
+    manifest = read_manifest(dump / "checkpoint" / "step-0")
     assert manifest["model_only"] and manifest["world_size"] == 1
     # 2 ranks with another seed: the weights come from the seed checkpoint (model only), and
     # training starts at step 1.

@@ -3,6 +3,15 @@
 __version__ = "0.1.0"
 
 from dcpkit.config import CheckpointConfig, ConfigError
-from dcpkit.manager import CheckpointError, CheckpointManager
+from dcpkit.convert.hf_model import HFModel
+from dcpkit.engine.manager import CheckpointManager
+from dcpkit.errors import CheckpointError
 
-__all__ = ["CheckpointConfig", "CheckpointError", "CheckpointManager", "ConfigError", "__version__"]
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointError",
+    "CheckpointManager",
+    "ConfigError",
+    "HFModel",
+    "__version__",
+]

@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 from dcpkit import __version__
+from dcpkit.layout import DTYPES, parse_dtype
 from dcpkit.units import human_bytes, parse_size
 
 
@@ -25,99 +24,19 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return subprocess.call(torchrun_command(args.nproc_per_node, rest), env=torchrun_env())
 
 
-def _human_age(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    if seconds < 172800:
-        return f"{seconds / 3600:.0f}h"
-    return f"{seconds / 86400:.0f}d"
-
-
-def _cmd_list_remote(url: str) -> int:
-    from dcpkit.remote import Remote, verify_remote
-
-    remote = Remote(url)
-    remote.check_reachable()
-    folders = remote.step_folders()
-    if not folders:
-        print(f"{url}: no checkpoints")
-        return 0
-    print(f"{'checkpoint':<18} {'step':>8} {'size':>10}  status")
-    for step, committed in sorted(folders.items()):
-        name = f"step-{step}"
-        size = sum(remote.size(name, f) for f in remote.ls_names(name))
-        if not committed:
-            status = "incomplete (upload never committed; removed by the next save)"
-        else:
-            problems = verify_remote(remote, name, names=[])
-            status = "published" if not problems else f"CORRUPT ({problems[0]})"
-        print(f"{name:<18} {step:>8} {human_bytes(size):>10}  {status}")
-    return 0
-
-
 def _cmd_list(args: argparse.Namespace, rest: list[str]) -> int:
-    from dcpkit import layout
-    from dcpkit.remote import is_url
+    from dcpkit.tools.listing import list_checkpoints, listing_lines
 
-    if is_url(args.folder):
-        return _cmd_list_remote(args.folder)
-    folder = Path(args.folder)
-    if not folder.exists():
-        raise CLIError(
-            f"{folder} does not exist; pass a checkpoint folder (the one holding step-N)"
-        )
-    if not folder.is_dir():
-        raise CLIError(f"{folder} is not a folder; pass the folder that holds step-N checkpoints")
-    rows = layout.describe_folder(folder)
-    if not rows:
-        print(f"{folder}: no checkpoints")
-        return 0
-    from dcpkit.verify import verify_path
-
-    now = time.time()
-    print(f"{'checkpoint':<18} {'step':>8} {'size':>10} {'age':>6}  status")
-    for row in rows:
-        if row.status.startswith("published"):
-            report = verify_path(folder / row.name, checksums=args.checksums)
-            if not report.ok:
-                row.status = f"CORRUPT ({report.problems[0]})"
-        step = "" if row.step is None else str(row.step)
-        print(
-            f"{row.name:<18} {step:>8} {human_bytes(row.size):>10} "
-            f"{_human_age(now - row.mtime):>6}  {row.status}"
-        )
+    print("\n".join(listing_lines(list_checkpoints(args.folder, checksums=args.checksums))))
     return 0
-
-
-def _local(path: str | None, keep: list, data: bool = True) -> str | None:
-    """A local stand-in for a remote (``s3://``, ...) checkpoint, in a temporary folder that
-    lives as long as ``keep``: its metadata, with tensor data read from the remote files as it is
-    needed (``data=False``: never read). Local paths are returned as they are."""
-    from dcpkit.remote import copy_path, fetch_skeleton, is_url, stream_copy
-
-    if path is None or not is_url(path):
-        return path
-    tmp = stream_copy(path) if data else fetch_skeleton(path)
-    keep.append(tmp)
-    return str(copy_path(tmp, path))
 
 
 def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
     import json
 
-    from dcpkit.inspect import format_inspect, inspect_path
-    from dcpkit.layout import COMMIT_MARKER
-    from dcpkit.remote import is_url
+    from dcpkit.tools.inspect import format_inspect, inspect_path
 
-    keep: list = []
-    local = _local(args.path, keep, data=False)
-    info = inspect_path(local)
-    info["path"] = args.path
-    if is_url(args.path) and Path(local).is_dir():
-        # On an object store a step is published by its commit marker, not by its name.
-        info["published"] = info["published"] and (Path(local) / COMMIT_MARKER).is_file()
+    info = inspect_path(args.path)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -126,35 +45,17 @@ def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
-    from dcpkit.remote import is_url, verify_url
-    from dcpkit.verify import verify_path
+    from dcpkit.tools.verify import report_lines, verify_path
 
-    if is_url(args.path):
-        report = verify_url(args.path, checksums=not args.quick)
-    else:
-        report = verify_path(args.path, checksums=not args.quick)
-    for note in report.notes:
-        print(f"note: {note}")
-    if report.ok:
-        what = "sizes and checksums" if report.checksummed else "sizes"
-        print(
-            f"OK: {report.path} ({report.kind}): structure intact, {what} of "
-            f"{report.files_checked} file(s) match"
-        )
-        return 0
-    print(f"FAILED: {report.path} ({report.kind}): {len(report.problems)} problem(s)")
-    for problem in report.problems:
-        print(f"  {problem}")
-    return 1
+    report = verify_path(args.path, checksums=not args.quick)
+    print("\n".join(report_lines(report)))
+    return 0 if report.ok else 1
 
 
 def _cmd_diff(args: argparse.Namespace, rest: list[str]) -> int:
-    from dcpkit.diff import diff_paths
+    from dcpkit.tools.diff import diff_paths
 
-    keep: list = []
-    result = diff_paths(
-        _local(args.a, keep), _local(args.b, keep), family=args.model, budget=_budget(args)
-    )
+    result = diff_paths(args.a, args.b, family=args.model, budget=_budget(args))
     for note in result.notes:
         print(f"note: {note}")
     for name in result.only_a:
@@ -206,9 +107,8 @@ def _budget(args: argparse.Namespace) -> int:
 def _cmd_to_torch(args: argparse.Namespace, rest: list[str]) -> int:
     from dcpkit.convert.torch_save import to_torch
 
-    keep: list = []
     result = to_torch(
-        _local(args.ckpt, keep),
+        args.ckpt,
         args.out,
         model_only=args.model_only,
         force=args.force,
@@ -226,7 +126,6 @@ def _cmd_from_torch(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_to_hf(args: argparse.Namespace, rest: list[str]) -> int:
-    from dcpkit.convert.common import parse_dtype
     from dcpkit.convert.hf import to_hf
 
     ckpt = args.ckpt or args.ckpt_path
@@ -241,9 +140,8 @@ def _cmd_to_hf(args: argparse.Namespace, rest: list[str]) -> int:
             "to-hf needs --flavor (e.g. --flavor 8B): head counts cannot be read "
             "from the tensors' shapes"
         )
-    keep: list = []
     result = to_hf(
-        _local(ckpt, keep),
+        ckpt,
         out,
         args.model,
         args.flavor,
@@ -259,7 +157,6 @@ def _cmd_to_hf(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_from_hf(args: argparse.Namespace, rest: list[str]) -> int:
-    from dcpkit.convert.common import parse_dtype
     from dcpkit.convert.hf import from_hf
 
     result = from_hf(
@@ -283,6 +180,29 @@ def _add_common_convert(p: argparse.ArgumentParser) -> None:
         default="256MiB",
         metavar="SIZE",
         help="tensor bytes held at once; larger tensors move in row blocks (default 256MiB)",
+    )
+
+
+def _add_model(p: argparse.ArgumentParser, flavor_help: str) -> None:
+    from dcpkit.convert.adapters import known_families
+
+    p.add_argument(
+        "--model",
+        "--model_name",
+        "--model-name",
+        dest="model",
+        default="llama3",
+        choices=known_families(),
+        help="model family (default llama3)",
+    )
+    p.add_argument("--flavor", help=flavor_help)
+
+
+def _add_dtype(p: argparse.ArgumentParser, whose: str) -> None:
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help=f"cast floating tensors (default: keep the {whose} dtype)",
     )
 
 
@@ -329,16 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", nargs="?", help="the folder to write")
     p.add_argument("--ckpt_path", "--ckpt-path", dest="ckpt_path", help=argparse.SUPPRESS)
     p.add_argument("--output_path", "--output-path", dest="output_path", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--model",
-        "--model_name",
-        "--model-name",
-        dest="model",
-        default="llama3",
-        choices=known_families(),
-        help="model family (default llama3)",
-    )
-    p.add_argument("--flavor", help="model flavor, e.g. debugmodel or 8B")
+    _add_model(p, "model flavor, e.g. debugmodel or 8B")
     p.add_argument(
         "--tokenizer",
         "--tokenizer_path",
@@ -346,11 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="tokenizer",
         help="tokenizer.json (or a folder of tokenizer files) to ship with the model",
     )
-    p.add_argument(
-        "--dtype",
-        choices=["bfloat16", "float16", "float32"],
-        help="cast floating tensors (default: keep the checkpoint's dtype)",
-    )
+    _add_dtype(p, "checkpoint's")
     p.add_argument("--max-shard-size", "--max_shard_size", default="5GB", metavar="SIZE")
     p.add_argument(
         "--verify",
@@ -363,20 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("from-hf", help="Hugging Face safetensors folder -> DCP checkpoint")
     p.add_argument("hf_dir", help="a folder written by save_pretrained (or a .safetensors file)")
     p.add_argument("ckpt", help="the DCP checkpoint folder to write")
-    p.add_argument(
-        "--model",
-        "--model_name",
-        dest="model",
-        default="llama3",
-        choices=known_families(),
-        help="model family (default llama3)",
-    )
-    p.add_argument("--flavor", help="model flavor (default: inferred from config.json)")
-    p.add_argument(
-        "--dtype",
-        choices=["bfloat16", "float16", "float32"],
-        help="cast floating tensors (default: keep the folder's dtype)",
-    )
+    _add_model(p, "model flavor (default: inferred from config.json)")
+    _add_dtype(p, "folder's")
     p.add_argument("--verify", action="store_true", help="read every tensor back and compare")
     _add_common_convert(p)
     p.set_defaults(func=_cmd_from_hf, passthrough=False)

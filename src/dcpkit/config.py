@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dcpkit.layout import DTYPES
+
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
-EXPORT_DTYPES = ("float16", "bfloat16", "float32")
+EXPORT_DTYPES = tuple(DTYPES)
 
 
 class ConfigError(ValueError):

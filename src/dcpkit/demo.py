@@ -13,12 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-from dcpkit import layout
 from dcpkit.cli import main as cli_main
 from dcpkit.launch import run_training
+from dcpkit.storage import open_store
+from dcpkit.train import CONFIGS
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "configs" / "llama3_debugmodel.toml"
+CONFIG = CONFIGS / "llama3_debugmodel.toml"
 OUT = Path("demo_out")
 
 
@@ -44,7 +44,7 @@ def metrics(dump: Path) -> dict[int, dict]:
 
 def main() -> int:
     if not CONFIG.is_file():
-        raise SystemExit(f"demo: {CONFIG} is missing; run the demo from a dcpkit checkout")
+        raise SystemExit(f"demo: {CONFIG} is missing; reinstall dcpkit")
     start = time.time()
     shutil.rmtree(OUT, ignore_errors=True)
     full, interrupted, one_rank = OUT / "full", OUT / "interrupted", OUT / "one_rank"
@@ -138,7 +138,7 @@ def main() -> int:
         f"{all(resharded[s]['tokens_seen'] == ref[s]['tokens_seen'] for s in resharded)}"
     )
     print(
-        f"    published checkpoints: {layout.published_steps(full / 'checkpoint')} "
+        f"    published checkpoints: {open_store(full / 'checkpoint').published_steps()} "
         f"(keep_latest_k = 3)"
     )
 

@@ -1,41 +1,21 @@
-"""Pieces every conversion shares: model keys of a checkpoint, staged (all-or-nothing) output,
-the memory budget, and the progress bar."""
+"""Pieces every conversion shares: model keys of a checkpoint, all-or-nothing output through
+the store's publish path, the memory budget, and the progress bar."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from dcpkit.states import DATALOADER, LR_SCHEDULER, OPTIMIZER, RNG, TRAIN_STATE
+from dcpkit.storage import PendingStep, open_location
 
 DEFAULT_BUDGET = 256 << 20
 """Bytes of tensor data a conversion holds at once (a larger tensor is moved in row blocks)."""
-
-NON_MODEL_GROUPS = (OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE, RNG)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(name: str | None) -> torch.dtype | None:
-    if name is None:
-        return None
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
-
-
-def is_model_key(key: str) -> bool:
-    """A model parameter in TorchTitan's top-level layout (not optimizer, scheduler, ...)."""
-    head = key.split(".", 1)[0]
-    return head not in NON_MODEL_GROUPS and head not in ("dataloader", "lr_schedulers")
 
 
 def row_blocks(
@@ -67,38 +47,29 @@ def progress(total_bytes: int, desc: str) -> tqdm:
     )
 
 
-def check_output(out: Path, force: bool) -> None:
-    """Refuse to overwrite an existing output unless ``force``."""
-    if out.exists() and not force:
-        if out.is_dir() and not any(out.iterdir()):
-            return
-        raise FileExistsError(
-            f"{out} already exists; choose another path or pass --force to replace it"
-        )
-
-
 @contextlib.contextmanager
-def staged_output(out: Path, is_dir: bool, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside ``out``; it becomes ``out`` only if the block succeeds,
-    so a failed or interrupted conversion leaves no partial output."""
-    check_output(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
-    if is_dir:
-        tmp.mkdir()
+def output(
+    out: str | Path,
+    is_dir: bool,
+    force: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> Iterator[PendingStep]:
+    """A pending output for ``out`` (a path or a URL): the block writes into its ``scratch()``
+    and publishes it; a failed or interrupted conversion leaves no partial output."""
+    store, name = open_location(out, storage_options)
+    existing = store.stat(name)
+    if existing is not None and not force and not (existing.is_dir and not store.list_names(name)):
+        raise FileExistsError(
+            f"{store.location(name)} already exists; choose another path or pass --force to "
+            "replace it"
+        )
+    pending = store.begin(name, is_dir=is_dir)
+    pending.prepare()
     try:
-        yield tmp
+        yield pending
     except BaseException:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif tmp.exists():
-            tmp.unlink()
+        pending.abort()
         raise
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    os.replace(tmp, out)
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

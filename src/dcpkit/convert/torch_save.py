@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from dcpkit.convert.common import DEFAULT_BUDGET, is_model_key, progress, row_blocks, staged_output
-from dcpkit.convert.dcpio import DCPCheckpoint, meta_tensor, nest, write_dcp
+from dcpkit.convert.common import DEFAULT_BUDGET, output, progress, row_blocks
 from dcpkit.convert.hf import ConversionResult
-from dcpkit.convert.torchfile import (
+from dcpkit.formats.dcp import DCPCheckpoint, meta_tensor, nest, write_dcp
+from dcpkit.formats.torchfile import (
     TensorRef,
     TensorSpec,
     TorchSaveFile,
@@ -24,7 +24,9 @@ from dcpkit.convert.torchfile import (
     UnsupportedContent,
     walk_refs,
 )
-from dcpkit.integrity import build_manifest, data_files, describe_files, write_manifest
+from dcpkit.layout import MODEL, is_model_key
+from dcpkit.manifest import build_manifest
+from dcpkit.storage import open_checkpoint
 
 
 def to_torch(
@@ -33,11 +35,14 @@ def to_torch(
     model_only: bool = False,
     force: bool = False,
     budget: int = DEFAULT_BUDGET,
+    storage_options: dict[str, Any] | None = None,
 ) -> ConversionResult:
-    """Write a DCP checkpoint as one ``torch.save`` file."""
+    """Write a DCP checkpoint (a folder or a URL) as one ``torch.save`` file."""
     start = time.perf_counter()
-    out = Path(out)
-    with DCPCheckpoint(ckpt) as src:
+    with (
+        open_checkpoint(ckpt, storage_options) as view,
+        DCPCheckpoint(view.path, view.opener) as src,
+    ):
         keys = [k for k in src.tensors if not model_only or is_model_key(k)]
         objects = [] if model_only else list(src.objects)
         if not keys and not objects:
@@ -49,8 +54,8 @@ def to_torch(
             flat[src.path_of(k)] = src.read_object(k)
         leaves = [(k, src.shape(k), src.dtype(k)) for k in keys]
         total = sum(src.nbytes(k) for k in keys)
-        with staged_output(out, is_dir=False, force=force) as tmp:
-            writer = TorchSaveWriter(tmp, nest(flat), leaves)
+        with output(out, is_dir=False, force=force, storage_options=storage_options) as pending:
+            writer = TorchSaveWriter(pending.scratch(), nest(flat), leaves)
             with progress(total, "to-torch") as bar:
                 for k in keys:
                     for rows in row_blocks(src.shape(k), src.dtype(k).itemsize, budget):
@@ -58,8 +63,9 @@ def to_torch(
                         writer.write(k, t, rows)
                         bar.update(t.numel() * t.element_size())
             writer.close()
+            pending.publish()
     return ConversionResult(
-        out, tensors=len(keys), bytes=total, seconds=time.perf_counter() - start
+        str(out), tensors=len(keys), bytes=total, seconds=time.perf_counter() - start
     )
 
 
@@ -68,15 +74,11 @@ def from_torch(
     ckpt: str | Path,
     force: bool = False,
     budget: int = DEFAULT_BUDGET,
+    storage_options: dict[str, Any] | None = None,
 ) -> ConversionResult:
     """Write a ``torch.save`` file (a dict of tensors and plain values) as a DCP checkpoint."""
     start = time.perf_counter()
-    pth, out = Path(pth), Path(ckpt)
-    if not pth.is_file():
-        raise FileNotFoundError(
-            f"{pth} does not exist" if not pth.exists() else f"{pth} is not a file"
-        )
-    with open(pth, "rb") as f:
+    with open_checkpoint(pth, storage_options) as view, _open_file(view) as f:
         try:
             archive = TorchSaveFile(f)
         except UnsupportedContent:
@@ -92,7 +94,7 @@ def from_torch(
         state = _with_meta(archive.obj)
         total = sum(r.nbytes for r in refs.values())
         with (
-            staged_output(out, is_dir=True, force=force) as tmp,
+            output(ckpt, is_dir=True, force=force, storage_options=storage_options) as pending,
             progress(total, "from-torch") as bar,
         ):
 
@@ -101,16 +103,20 @@ def from_torch(
                 bar.update(t.numel() * t.element_size())
                 return t
 
-            write_dcp(tmp, state, produce, max_chunk_bytes=budget)
-            groups = sorted({k.split(".", 1)[0] if not is_model_key(k) else "model" for k in refs})
-            files = data_files(tmp)
-            write_manifest(
-                tmp,
-                build_manifest(None, 1, groups, describe_files(tmp, files), source=str(pth)),
-            )
+            write_dcp(pending.scratch(), state, produce, max_chunk_bytes=budget)
+            groups = sorted({k.split(".", 1)[0] if not is_model_key(k) else MODEL for k in refs})
+            files = pending.describe(pending.local_files())
+            pending.write_manifest(build_manifest(None, 1, groups, files, source=str(pth)))
+            pending.publish()
     return ConversionResult(
-        out, tensors=len(refs), bytes=total, seconds=time.perf_counter() - start
+        str(ckpt), tensors=len(refs), bytes=total, seconds=time.perf_counter() - start
     )
+
+
+def _open_file(view: Any) -> Any:
+    if not view.path.is_file():
+        raise FileNotFoundError(f"{view.location} is not a file")
+    return view.opener(view.path)
 
 
 def _with_meta(obj: Any) -> Any:

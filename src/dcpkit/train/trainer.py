@@ -18,11 +18,9 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 
-from dcpkit import dist
-from dcpkit.config import ConfigError
-from dcpkit.manager import CheckpointError, CheckpointManager, HFModel
+from dcpkit import CheckpointError, CheckpointManager, ConfigError, HFModel, dist
+from dcpkit.engine.async_save import AsyncSaveError
 from dcpkit.models import build_model, flavors
-from dcpkit.staging import AsyncSaveError
 from dcpkit.train.config import TrainConfig, load_config
 from dcpkit.train.data import GlobalBatchLoader, TokenSamples, prepare_corpus
 from dcpkit.train.grad import clip_grad_norm_

@@ -218,6 +218,14 @@ class ModelAdapter(ABC):
                     "was trained with"
                 )
 
+    def _unmapped(self, key: str, where: str, direction: str) -> ConversionError:
+        """Every unmapped key is an error naming the key, the family and the direction."""
+        target = "Hugging Face" if direction.endswith("HF") else "TorchTitan"
+        return ConversionError(
+            f"{key} in {where} has no {target} name in the {self.family} key map (direction: "
+            f"{direction}); is it a checkpoint of another model family?"
+        )
+
     def plan_to_hf(
         self, shapes: dict[str, tuple[int, ...]], args: Any, flavor: str, where: str
     ) -> KeyPlan:
@@ -236,10 +244,7 @@ class ModelAdapter(ABC):
                 continue
             hf = self.to_hf_key(c)
             if hf is None:
-                raise ConversionError(
-                    f"{key} in {where} has no Hugging Face name in the {self.family} key map "
-                    "(direction: TorchTitan -> HF); is this checkpoint of another model family?"
-                )
+                raise self._unmapped(key, where, "TorchTitan -> HF")
             pairs.append((key, hf, self.transform(c, args)))
         return KeyPlan(pairs, dropped)
 
@@ -254,10 +259,7 @@ class ModelAdapter(ABC):
                 continue
             c = self.from_hf_key(hf)
             if c is None:
-                raise ConversionError(
-                    f"{hf} in {where} has no TorchTitan name in the {self.family} key map "
-                    "(direction: HF -> TorchTitan); is this folder of another model family?"
-                )
+                raise self._unmapped(hf, where, "HF -> TorchTitan")
             if c == "output.weight" and getattr(args, "tie_word_embeddings", False):
                 dropped.append((hf, "tied embeddings: output.weight is taken from embed_tokens"))
                 continue

@@ -23,12 +23,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dcpkit import layout
-from dcpkit.convert.common import is_model_key
-from dcpkit.integrity import load_manifest
-from dcpkit.sources import DCP, open_source
+from dcpkit.formats.sources import DCP, open_source
+from dcpkit.integrity import verify_checkpoint
+from dcpkit.layout import is_model_key, parse_step
+from dcpkit.storage import open_location
 from dcpkit.units import human_bytes
-from dcpkit.verify import verify_path
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
@@ -39,9 +38,15 @@ def _group(name: str) -> str:
     return "optimizer" if name.startswith("optimizer.") else "other"
 
 
-def inspect_path(path: str | Path) -> dict[str, Any]:
-    """A description of the checkpoint at ``path`` (the JSON schema above)."""
-    p = Path(path)
+def inspect_path(path: str | Path, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A description of the checkpoint at ``path``, a folder, file or URL (the JSON schema
+    above). Reads metadata only: a remote checkpoint is not downloaded."""
+    store, name = open_location(path, storage_options)
+    with store.view(name, data=False) as view:
+        return _describe(store, name, view.path, view.location)
+
+
+def _describe(store: Any, entry: str, p: Path, location: str) -> dict[str, Any]:
     source = open_source(p)
     try:
         tensors = []
@@ -85,20 +90,19 @@ def inspect_path(path: str | Path) -> dict[str, Any]:
                 )
     else:
         files.append({"name": p.name, "bytes": p.stat().st_size, "rank": None})
-    manifest, _ = load_manifest(folder) if folder is not None else (None, [])
-    step_match = layout.STEP_DIR_RE.match(p.name)
+    manifest, _ = store.read_manifest(entry) if folder is not None else (None, [])
     step = manifest.get("step") if manifest else None
-    if step is None and step_match:
-        step = int(step_match.group(1))
+    if step is None:
+        step = parse_step(entry)
     ranks = {f["rank"] for f in files if f["rank"] is not None}
     world = manifest.get("world_size") if manifest else (len(ranks) or None)
-    report = verify_path(p, checksums=False)
+    report = verify_checkpoint(store, entry, checksums=False)
     return {
-        "path": str(p),
+        "path": location,
         "format": source.kind,
         "step": step,
         "world_size": world,
-        "published": bool(step_match) and report.ok,
+        "published": report.ok and store.is_published(entry),
         "complete": report.ok,
         "problems": [str(x) for x in report.problems],
         "tensors": tensors,

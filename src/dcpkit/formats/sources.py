@@ -7,31 +7,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from dcpkit import layout
-from dcpkit.convert.dcpio import DCPCheckpoint, NotACheckpoint
-from dcpkit.convert.safetensors_io import SafetensorsFolder
-from dcpkit.convert.torchfile import TensorRef, TorchSaveFile, walk_refs
+from dcpkit.formats.base import TensorTable
+from dcpkit.formats.dcp import DCPCheckpoint, NotACheckpoint
+from dcpkit.formats.safetensors import SafetensorsFolder
+from dcpkit.formats.torchfile import TensorRef, TorchSaveFile, walk_refs
+from dcpkit.layout import HF_FILES, METADATA, parse_step, step_name
 
 DCP, HF, TORCH = "dcp", "hf-safetensors", "torch-save"
-
-
-class TensorSource(Protocol):
-    kind: str
-    path: Path
-
-    def names(self) -> list[str]: ...
-
-    def shape(self, name: str) -> tuple[int, ...]: ...
-
-    def dtype(self, name: str) -> torch.dtype: ...
-
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor: ...
-
-    def close(self) -> None: ...
 
 
 class DCPSource(DCPCheckpoint):
@@ -45,14 +31,14 @@ class HFSource(SafetensorsFolder):
     kind = HF
 
 
-class TorchSource:
+class TorchSource(TensorTable):
     """Tensors of a ``torch.save`` file, read on demand (dotted names for nested dicts)."""
 
     kind = TORCH
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, opener: Any = None) -> None:
         self.path = path
-        self._f = open(path, "rb")  # noqa: SIM115
+        self._f = opener(path) if opener is not None else open(path, "rb")  # noqa: SIM115
         try:
             self.archive = TorchSaveFile(self._f)
         except Exception:
@@ -60,15 +46,7 @@ class TorchSource:
             raise
         self.refs: dict[str, TensorRef] = {}
         walk_refs(self.archive.obj, self.refs.__setitem__)
-
-    def names(self) -> list[str]:
-        return list(self.refs)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.refs[name].shape
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self.refs[name].dtype
+        self.entries = self.refs
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self.archive.read(self.refs[name], rows)
@@ -82,33 +60,36 @@ def detect_kind(path: Path) -> str:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
     if path.is_dir():
-        if (path / layout.METADATA).is_file():
+        if (path / METADATA).is_file():
             return DCP
-        if layout.is_hf(path) or any(path.glob("*.safetensors")):
+        if any((path / n).is_file() for n in HF_FILES) or any(path.glob("*.safetensors")):
             return HF
-        steps = layout.published_steps(path)
+        steps = sorted(
+            step
+            for entry in path.iterdir()
+            if (step := parse_step(entry.name)) is not None and (entry / METADATA).is_file()
+        )
         hint = (
-            f"; it holds checkpoints {', '.join(f'step-{s}' for s in steps)}: pass one of them"
+            f"; it holds checkpoints {', '.join(step_name(s) for s in steps)}: pass one of them"
             if steps
             else ""
         )
-        raise NotACheckpoint(
-            f"{path} is not a checkpoint: no DCP {layout.METADATA}, no safetensors{hint}"
-        )
+        raise NotACheckpoint(f"{path} is not a checkpoint: no DCP {METADATA}, no safetensors{hint}")
     if path.suffix == ".safetensors":
         return HF
     return TORCH
 
 
-def open_source(path: str | Path) -> Any:
-    """Open ``path`` as a ``TensorSource`` of the right kind."""
+def open_source(path: str | Path, opener: Any = None) -> Any:
+    """Open ``path`` as a ``TensorSource`` of the right kind (``opener``: how its files' bytes
+    are read, for a metadata-only copy of a remote checkpoint)."""
     p = Path(path)
     kind = detect_kind(p)
     if kind == DCP:
-        return DCPSource(p)
+        return DCPSource(p, opener)
     if kind == HF:
-        return HFSource(p)
+        return HFSource(p, opener)
     try:
-        return TorchSource(p)
+        return TorchSource(p, opener)
     except ValueError as e:
         raise NotACheckpoint(f"{p} is not a checkpoint: {e}") from None

@@ -25,14 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-logger = logging.getLogger(__name__)
+from dcpkit.layout import DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, RNG
 
-MODEL = "model"
-OPTIMIZER = "optimizer"
-LR_SCHEDULER = "lr_scheduler"
-DATALOADER = "dataloader"
-TRAIN_STATE = "train_state"
-RNG = "rng"
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -108,6 +103,33 @@ class SchedulerState:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for sched in self.schedulers:
             sched.load_state_dict(dict(state_dict))
+
+
+def collect_states(
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: Any,
+    lr_scheduler: Any,
+    dataloader: Stateful | None,
+    states: dict[str, Stateful] | None,
+) -> dict[str, Stateful]:
+    """The state groups a checkpoint holds besides the model, by their top-level names."""
+    out: dict[str, Stateful] = {}
+    if optimizer is not None:
+        out[OPTIMIZER] = OptimizerState(model, optimizer)
+    if lr_scheduler is not None:
+        out[LR_SCHEDULER] = SchedulerState(lr_scheduler)
+    if dataloader is not None:
+        out[DATALOADER] = dataloader
+    for name, obj in (states or {}).items():
+        if name in out or name in (MODEL, RNG):
+            raise ValueError(f"state name {name!r} is reserved by CheckpointManager")
+        if not isinstance(obj, Stateful):
+            raise TypeError(
+                f"states[{name!r}] must have state_dict() and load_state_dict(), "
+                f"got {type(obj).__name__}"
+            )
+        out[name] = obj
+    return out
 
 
 def capture_rng() -> bytes:

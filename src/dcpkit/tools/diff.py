@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from dcpkit.convert.adapters import get_adapter
-from dcpkit.convert.common import DEFAULT_BUDGET, is_model_key, max_abs_diff, row_blocks
-from dcpkit.sources import HF, open_source
+from dcpkit.convert.common import DEFAULT_BUDGET, max_abs_diff, row_blocks
+from dcpkit.formats.sources import HF, open_source
+from dcpkit.layout import is_model_key
+from dcpkit.storage import open_checkpoint
 
 
 @dataclass
@@ -79,10 +81,24 @@ class _Mapped:
 
 
 def diff_paths(
-    a: str | Path, b: str | Path, family: str = "llama3", budget: int = DEFAULT_BUDGET
+    a: str | Path,
+    b: str | Path,
+    family: str = "llama3",
+    budget: int = DEFAULT_BUDGET,
+    storage_options: dict[str, Any] | None = None,
 ) -> DiffResult:
-    """Compare every tensor of ``a`` and ``b`` (row block by row block: bounded memory)."""
-    sa, sb = open_source(a), open_source(b)
+    """Compare every tensor of ``a`` and ``b``, folders, files or URLs (row block by row
+    block: bounded memory; a remote checkpoint is read in place)."""
+    with (
+        open_checkpoint(a, storage_options) as va,
+        open_checkpoint(b, storage_options) as vb,
+    ):
+        return _diff(
+            open_source(va.path, va.opener), open_source(vb.path, vb.opener), family, budget
+        )
+
+
+def _diff(sa: Any, sb: Any, family: str, budget: int) -> DiffResult:
     result = DiffResult()
     try:
         left, right = sa, sb

@@ -12,13 +12,12 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from dcpkit.files import open_binary
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+from dcpkit.formats.base import TensorTable
+from dcpkit.layout import HF_INDEX, HF_SINGLE
 
 _DTYPE_CODES = {
     torch.float64: "F64",
@@ -78,40 +77,43 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, data_start
 
 
-class SafetensorsFolder:
+class SafetensorsFolder(TensorTable):
     """The tensors of an HF folder (``model.safetensors`` or shards with an index).
 
     Reads use plain file reads, not a memory map, so that only the block asked for is resident.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, opener: Any = None) -> None:
         self.path = Path(path)
+        self._open = opener or (lambda p: open(p, "rb"))  # noqa: SIM115
         if not self.path.exists():
             raise FileNotFoundError(f"{self.path} does not exist")
         if self.path.is_file() and self.path.suffix == ".safetensors":
             files = {self.path.name: self.path}
             self.path = self.path.parent
-        elif (self.path / INDEX).is_file():
+        elif (self.path / HF_INDEX).is_file():
             try:
-                index = json.loads((self.path / INDEX).read_text())
+                index = json.loads((self.path / HF_INDEX).read_text())
                 names = sorted(set(index["weight_map"].values()))
             except (ValueError, KeyError) as e:
-                raise ValueError(f"{self.path / INDEX} is not a valid index: {e}") from None
+                raise ValueError(f"{self.path / HF_INDEX} is not a valid index: {e}") from None
             files = {n: self.path / n for n in names}
-        elif (self.path / SINGLE).is_file():
-            files = {SINGLE: self.path / SINGLE}
+        elif (self.path / HF_SINGLE).is_file():
+            files = {HF_SINGLE: self.path / HF_SINGLE}
         else:
             found = sorted(p.name for p in self.path.glob("*.safetensors"))
             if not found:
                 raise ValueError(
-                    f"{self.path} holds no safetensors weights ({SINGLE} or {INDEX}); is it a "
+                    f"{self.path} holds no safetensors weights ({HF_SINGLE} or {HF_INDEX}); "
+                    "is it a "
                     "Hugging Face model folder?"
                 )
             files = {n: self.path / n for n in found}
         self.stored: dict[str, _Stored] = {}
+        self.entries = self.stored
         for file in files.values():
             if not file.is_file():
-                raise ValueError(f"{file} is named in {INDEX} but missing")
+                raise ValueError(f"{file} is named in {HF_INDEX} but missing")
             header, data_start = read_header(file)
             for key, info in header.items():
                 if key == "__metadata__":
@@ -123,21 +125,6 @@ class SafetensorsFolder:
                     dtype_from_code(info["dtype"]),
                 )
         self._handles: dict[Path, object] = {}
-
-    def names(self) -> list[str]:
-        return list(self.stored)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self.stored[key].shape
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self.stored[key].dtype
-
-    def nbytes(self, key: str) -> int:
-        n = self.dtype(key).itemsize
-        for s in self.shape(key):
-            n *= s
-        return n
 
     def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor, or rows ``[start, stop)`` of its first dimension (a fresh tensor)."""
@@ -152,7 +139,7 @@ class SafetensorsFolder:
         n = row_bytes * (shape[0] if shape else 1)
         f = self._handles.get(st.file)
         if f is None:
-            f = self._handles[st.file] = open_binary(st.file)
+            f = self._handles[st.file] = self._open(st.file)
         f.seek(st.start + first * row_bytes)  # type: ignore[attr-defined]
         buf = bytearray(n)
         if f.readinto(buf) != n:  # type: ignore[attr-defined]
@@ -257,4 +244,4 @@ class SafetensorsWriter:
             "metadata": {"total_size": self.total_size},
             "weight_map": {name: e.file for name, e in sorted(self.entries.items())},
         }
-        (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (self.folder / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")

@@ -19,30 +19,24 @@ Protocol, in the order the manager calls it:
 from __future__ import annotations
 
 import copy
-import ctypes
-import dataclasses
-import io
 import logging
 import os
 import shutil
-import signal
-import socket
 import threading
-import time
-import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as torch_dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
 from dcpkit import dist
-from dcpkit.publish import StepInfo, write_and_publish
+from dcpkit.engine.publish import StepInfo, write_and_publish
+from dcpkit.engine.staged import StagedPlanner, StagedStep
+from dcpkit.engine.writer_process import WriterProcess
 from dcpkit.units import human_bytes
 
 logger = logging.getLogger(__name__)
@@ -50,44 +44,6 @@ logger = logging.getLogger(__name__)
 
 class AsyncSaveError(RuntimeError):
     """A background save failed; raised in the training process, naming the step."""
-
-
-@dataclasses.dataclass
-class StagedStep:
-    """Everything a writer needs besides the buffers: picklable, small."""
-
-    info: StepInfo
-    items: list[WriteItem]
-    mappings: dict[str, Any]
-    objects: dict[str, Any]
-
-
-class StagedPlanner(DefaultSavePlanner):
-    """A save planner over staged buffers: the write items were computed from the live state
-    (DTensor shards keep their global offsets), the data comes from the buffers."""
-
-    def __init__(self, staged: StagedStep, buffers: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.staged = staged
-        self.buffers = buffers
-
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):  # type: ignore[no-untyped-def]
-        self.state_dict = {}
-        self.mappings = self.staged.mappings
-        self.is_coordinator = is_coordinator
-
-    def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan(list(self.staged.items), planner_data=self.mappings)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem):  # type: ignore[no-untyped-def]
-        fqn = write_item.index.fqn
-        if write_item.type == WriteItemType.BYTE_IO:
-            buf = io.BytesIO()
-            torch.save(self.staged.objects[fqn], buf)
-            buf.seek(0)
-            return buf
-        return self.buffers[fqn]
 
 
 class AsyncCheckpointer:
@@ -110,9 +66,9 @@ class AsyncCheckpointer:
         self._stream: Any = None
         self._copy_event: Any = None
         self.group = None
-        self._child: _WriterProcess | None = None
+        self._child: WriterProcess | None = None
         if self.use_process:
-            self._child = _WriterProcess()
+            self._child = WriterProcess()
         elif dist.is_dist():
             # Collectives of the writer thread must never interleave with training's.
             self.group = torch_dist.new_group(backend="gloo")
@@ -349,147 +305,3 @@ def _unpin(buf: torch.Tensor) -> None:
     if ptr in _PINNED:
         _PINNED.discard(ptr)
         torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
-# --- the persistent writer process ----------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-class _WriterProcess:
-    """One writer process per rank; the writers of all ranks form their own process group."""
-
-    def __init__(self) -> None:
-        import torch.multiprocessing as mp
-
-        rank, world = dist.rank(), dist.world_size()
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = dist.broadcast_object(_free_port() if rank == 0 else None)
-        ctx = mp.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_writer_main,
-            args=(child_conn, addr, port, rank, world, os.getpid()),
-            daemon=True,
-            name=f"dcpkit-writer-{rank}",
-        )
-        self.process.start()
-        child_conn.close()
-        self._ready = False
-        self._sent_plan: tuple[list[WriteItem], dict[str, Any]] | None = None
-
-    def _expect(self, kind: str) -> Any:
-        died = RuntimeError(
-            f"the checkpoint writer process died (exit code {self.process.exitcode}); "
-            'a script that starts it needs an `if __name__ == "__main__":` guard'
-        )
-        while not self.conn.poll(1.0):
-            if not self.process.is_alive():
-                raise died
-        try:
-            reply = self.conn.recv()
-        except EOFError:
-            raise died from None
-        if reply[0] == "error":
-            raise RuntimeError(reply[1])
-        if reply[0] != kind:
-            raise RuntimeError(f"unexpected reply from the writer process: {reply[0]}")
-        return reply[1:]
-
-    def send_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
-        if not self._ready:
-            self._expect("ready")
-            self._ready = True
-        self.conn.send(("buffers", buffers))
-        self._expect("ok")
-
-    def write(self, staged: StagedStep) -> None:
-        # The plan (write items, key mappings) is the same save after save: send it only when it
-        # changed, so that pickling it does not hold the GIL while training resumes.
-        same = (
-            self._sent_plan is not None
-            and len(self._sent_plan[0]) == len(staged.items)
-            and all(a is b for a, b in zip(self._sent_plan[0], staged.items))
-            and self._sent_plan[1] == staged.mappings
-        )
-        if same:
-            staged = dataclasses.replace(staged, items=[], mappings={})
-        else:
-            self._sent_plan = (list(staged.items), dict(staged.mappings))
-        self.conn.send(("save", staged, same))
-        self._expect("saved")
-
-    def stop(self) -> None:
-        try:
-            if self.process.is_alive():
-                self.conn.send(("stop",))
-            self.process.join(timeout=30)
-        except (BrokenPipeError, EOFError, OSError):
-            pass
-        if self.process.is_alive():
-            self.process.kill()
-
-
-def _die_with_parent(parent: int) -> None:
-    """The writer must not outlive the training process (nor publish after it was killed)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent:
-        os._exit(1)
-
-
-def _writer_main(conn: Any, addr: str, port: int, rank: int, world: int, parent: int) -> None:
-    _die_with_parent(parent)
-    torch.set_num_threads(1)
-    group = None
-    if world > 1:
-        store = torch_dist.TCPStore(
-            addr,
-            port,
-            world,
-            is_master=rank == 0,
-            timeout=__import__("datetime").timedelta(minutes=10),
-        )
-        torch_dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    conn.send(("ready",))
-    buffers: dict[str, torch.Tensor] = {}
-    plan: tuple[list[WriteItem], dict[str, Any]] = ([], {})
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
-        kind = msg[0]
-        if kind == "stop":
-            break
-        try:
-            if kind == "buffers":
-                buffers = msg[1]
-                conn.send(("ok",))
-            elif kind == "save":
-                staged: StagedStep = msg[1]
-                if msg[2]:  # the plan of the previous save
-                    staged = dataclasses.replace(staged, items=plan[0], mappings=plan[1])
-                plan = (staged.items, staged.mappings)
-                start = time.perf_counter()
-                write_and_publish(
-                    staged.info,
-                    {},
-                    planner=StagedPlanner(staged, buffers),
-                    group=group,
-                    kill_pid=parent,
-                )
-                conn.send(("saved", time.perf_counter() - start))
-        except BaseException as e:  # reported to the training process, never swallowed
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    if torch_dist.is_initialized():
-        torch_dist.destroy_process_group()
-    # Nothing is left to do; skip interpreter finalization, where gloo's threads can abort.
-    os._exit(0)

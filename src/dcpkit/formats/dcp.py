@@ -28,11 +28,17 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from dcpkit.convert.torchfile import TorchSaveFile
 from dcpkit.dist import quiet_single_process
-from dcpkit.files import open_binary
+from dcpkit.formats.torchfile import TorchSaveFile
+from dcpkit.layout import METADATA
 
-METADATA = ".metadata"
+Opener = Callable[[Path], Any]
+"""Opens a checkpoint file for binary reads (seek, read, readinto); the default is ``open``. A
+metadata-only local copy of a remote checkpoint passes one that reads the remote original."""
+
+
+def open_local(path: Path) -> Any:
+    return open(path, "rb")
 
 
 class NotACheckpoint(ValueError):
@@ -42,8 +48,9 @@ class NotACheckpoint(ValueError):
 class DCPCheckpoint:
     """Read access to one DCP checkpoint folder (``.metadata`` + ``*.distcp``)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, opener: Opener | None = None) -> None:
         self.path = Path(path)
+        self._open = opener or open_local
         if not self.path.exists():
             raise FileNotFoundError(f"{self.path} does not exist")
         if not self.path.is_dir():
@@ -104,7 +111,7 @@ class DCPCheckpoint:
                 raise NotACheckpoint(
                     f"{self.path} is incomplete: {relative}, named in {METADATA}, is missing"
                 )
-            f = self._files[relative] = open_binary(full)
+            f = self._files[relative] = self._open(full)
         return f
 
     def _storage(self, fqn: str, offsets: Any):  # type: ignore[no-untyped-def]

@@ -1,0 +1,108 @@
+"""Verification of a conversion by reading it back: every tensor compared with its source, and
+the float32 logits of the exported folder, loaded by ``transformers``, compared with dcpkit's
+own model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dcpkit.convert.adapters import ConversionError, ModelAdapter
+from dcpkit.convert.common import max_abs_diff, row_blocks
+from dcpkit.formats.dcp import DCPCheckpoint
+from dcpkit.formats.safetensors import SafetensorsFolder
+
+
+def verify_hf_tensors(
+    src: DCPCheckpoint, folder: Path, plan: Any, out_dtype: dict[str, torch.dtype], budget: int
+) -> float:
+    """Read every written tensor back, undo the transform, compare with the source."""
+    written = SafetensorsFolder(folder)
+    worst = 0.0
+    for s, hf, tf in plan.pairs:
+        for rows in row_blocks(
+            src.shape(s), src.dtype(s).itemsize, budget, tf.row_block if tf else 1
+        ):
+            back = written.read(hf, rows)
+            if tf is not None:
+                back = tf.from_hf(back)
+            expected = src.read(s, rows).to(out_dtype[s])
+            if not torch.equal(back, expected):
+                raise ConversionError(
+                    f"verification failed: {hf} read back differs from {s} "
+                    f"(max abs diff {max_abs_diff(back, expected):.3g})"
+                )
+            worst = max(worst, max_abs_diff(back.float(), src.read(s, rows).float()))
+    return worst
+
+
+def verify_logits(adapter: ModelAdapter, args: Any, folder: Path, result: Any) -> float | None:
+    """Load the folder with transformers and compare float32 logits with dcpkit's model."""
+    from dcpkit.models import known_models
+
+    if adapter.family not in known_models():
+        result.notes.append(f"logits not compared: dcpkit has no {adapter.family} model")
+        return None
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        result.notes.append("logits not compared: transformers is not installed")
+        return None
+    from dataclasses import replace
+
+    from transformers.utils import logging as hf_logging
+
+    from dcpkit.models import build_model
+
+    hf_logging.disable_progress_bar()
+    hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    hf_model.eval()
+    with torch.device("meta"):
+        ours = build_model(adapter.family, replace(args, max_seq_len=64))
+    ours.to_empty(device="cpu")
+    ours.init_weights()
+    written = SafetensorsFolder(folder)
+    plan = adapter.plan_from_hf(
+        {k: written.shape(k) for k in written.names()}, args, result.flavor, str(folder)
+    )
+    state = {}
+    for hf, canon, tf in plan.pairs:
+        t = written.read(hf)
+        state[canon] = (tf.from_hf(t) if tf is not None else t).float()
+    ours.load_state_dict(state, strict=True)
+    ours.eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = max_abs_diff(hf_model(tokens).logits, ours(tokens))
+    if diff > 1e-4:
+        raise ConversionError(
+            f"verification failed: transformers' logits differ from dcpkit's by {diff:.3g} "
+            "(more than 1e-4)"
+        )
+    return diff
+
+
+def verify_dcp_tensors(
+    folder: Path,
+    src: SafetensorsFolder,
+    sources: dict[str, tuple[str, Any]],
+    out_dtype: dict[str, torch.dtype],
+    budget: int,
+) -> float:
+    """Read every tensor of the written DCP folder back and compare it with the HF source."""
+    worst = 0.0
+    with DCPCheckpoint(folder) as written:
+        for canon, (hf, tf) in sources.items():
+            block = tf.row_block if tf else 1
+            for rows in row_blocks(src.shape(hf), src.dtype(hf).itemsize, budget, block):
+                back = written.read(canon, rows)
+                t = src.read(hf, rows)
+                converted = tf.from_hf(t) if tf is not None else t
+                if not torch.equal(back, converted.to(out_dtype[canon])):
+                    raise ConversionError(
+                        f"verification failed: {canon} read back differs from {hf}"
+                    )
+                worst = max(worst, max_abs_diff(back.float(), converted.float()))
+    return worst

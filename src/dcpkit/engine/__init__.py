@@ -1,0 +1,1 @@
+"""The checkpoint engine: what a training loop calls. It never imports tools/ or convert/."""

@@ -1,0 +1,133 @@
+"""Planning a load: which checkpoint (the latest published step, ``load_step``, or
+``initial_load_path`` when the folder holds none), and, with ``verify_on_load``, proving it intact
+first, falling back to the newest older step that is when ``fallback_on_corruption`` allows."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from dcpkit import dist
+from dcpkit.engine.policy import choose_step, fallback_steps, is_seed_step
+from dcpkit.errors import CheckpointError
+from dcpkit.integrity import verify_checkpoint
+from dcpkit.layout import HF_FILES, HF_INDEX, HF_SINGLE, METADATA, step_name
+from dcpkit.storage import StoreError, open_location
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadPlan:
+    store: Any
+    name: str | None
+    step: int | None
+    model_only: bool
+    reason: str
+    error: str | None = None
+    own: bool = False
+    """One of this run's published steps (an initial_load_path need not carry a marker)."""
+
+    @classmethod
+    def failed(cls, error: str) -> LoadPlan:
+        return cls(None, None, None, False, "", error=error)
+
+    @property
+    def location(self) -> str:
+        return self.store.location(self.name) if self.name else ""
+
+
+def plan_load(config: Any, store: Any) -> LoadPlan:
+    """What to load (rank 0 decides; the plan is broadcast)."""
+    choice = choose_step(store.published_steps(), config.load_step, store.root)
+    if choice.error:
+        return LoadPlan.failed(choice.error)
+    if choice.step is not None:
+        reason = choice.reason
+        if config.load_step == -1 and config.initial_load_path:
+            reason += " (initial_load_path is ignored: the checkpoint folder is not empty)"
+        name = step_name(choice.step)
+        return LoadPlan(store, name, choice.step, is_seed_step(choice.step), reason, own=True)
+    if config.initial_load_path:
+        return _plan_initial_load(config)
+    return LoadPlan(None, None, None, False, f"{choice.reason}: starting fresh")
+
+
+def _plan_initial_load(config: Any) -> LoadPlan:
+    """``initial_load_path``: a DCP step folder, or with ``initial_load_in_hf`` a Hugging Face
+    folder, local or on an object store (read in place, never downloaded whole)."""
+    where = repr(str(config.initial_load_path))
+    try:
+        store, name = open_location(config.initial_load_path, config.storage_options)
+        store.check_reachable()
+        names = set(store.list_names(name))
+    except StoreError as e:
+        return LoadPlan.failed(f"[checkpoint] initial_load_path {e}")
+    if config.initial_load_in_hf and not names & HF_FILES:
+        return LoadPlan.failed(
+            f"[checkpoint] initial_load_path {where} holds no Hugging Face safetensors "
+            f"({HF_SINGLE} or {HF_INDEX}), and initial_load_in_hf = true"
+        )
+    if not config.initial_load_in_hf and METADATA not in names:
+        return LoadPlan.failed(
+            f"[checkpoint] initial_load_path {where} is not a checkpoint (no {METADATA} in it); "
+            "point it at a step-N folder"
+        )
+    return LoadPlan(
+        store,
+        name,
+        None,
+        config.initial_load_model_only,
+        "initial_load_path (the checkpoint folder is empty)",
+    )
+
+
+def verify_everywhere(store: Any, name: str, require_commit: bool) -> list[str]:
+    """Problems with checkpoint ``name``; every rank checksums its share of the files. Empty
+    when it is intact."""
+    manifest, _ = store.read_manifest(name)
+    mine = None
+    if manifest is not None:
+        mine = sorted(manifest["files"])[dist.rank() :: dist.world_size()]
+    report = verify_checkpoint(store, name, checksum_files=mine, require_commit=require_commit)
+    found: set[str] = set()
+    for part in dist.all_gather_object([str(p) for p in report.problems]):
+        found.update(part)
+    return sorted(found)
+
+
+def verified(plan: LoadPlan, config: Any, store: Any) -> LoadPlan:
+    """``plan`` if its checkpoint verifies; else the newest older one that does, when
+    ``fallback_on_corruption`` allows it; else an error listing the problems."""
+    assert plan.name is not None
+    problems = verify_everywhere(plan.store, plan.name, require_commit=plan.own)
+    if not problems:
+        return plan
+    listing = "; ".join(problems[:5]) + (
+        f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+    )
+    if not (config.fallback_on_corruption and config.load_step == -1 and plan.own):
+        raise CheckpointError(
+            f"{plan.location} failed verification: {listing}. Run `dcpkit verify "
+            f"{plan.location}` for the full list; set [checkpoint] fallback_on_corruption = true "
+            "to load the newest intact checkpoint instead, or load_step to choose one"
+        )
+    failed = plan
+    for step in fallback_steps(store.published_steps(), plan.step or 0):
+        name = step_name(step)
+        if dist.rank() == 0:
+            logger.warning(
+                "checkpoint: %s failed verification (%s); falling back to %s",
+                failed.location,
+                listing,
+                store.location(name),
+            )
+        if not verify_everywhere(store, name, require_commit=True):
+            reason = f"fallback: {plan.name} failed verification"
+            return LoadPlan(store, name, step, is_seed_step(step), reason, own=True)
+        failed = LoadPlan(store, name, step, is_seed_step(step), "", own=True)
+    raise CheckpointError(
+        f"no published checkpoint in {store.root} passes verification (the latest failed "
+        f"with: {listing}); restore the files or start fresh in another folder"
+    )

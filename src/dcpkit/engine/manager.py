@@ -1,0 +1,246 @@
+"""``CheckpointManager``: the facade a training loop talks to. It decides nothing itself: the
+store says where checkpoints live (``dcpkit.storage``), the policy when to save and what to load
+(``policy``), and ``load`` / ``restore`` / ``save`` do the work.
+
+Save path: states collected (DTensors stay sharded) -> DCP writes a pending step -> every rank
+checksums its own files -> rank 0 writes the manifest and publishes ``step-N`` -> old steps are
+deleted in the background. Load path: the latest published step (or ``load_step``) -> verified
+(``verify_on_load``) -> a template of the current state -> ``dcp.load`` reshards into it -> each
+piece restores itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from dcpkit import dist
+from dcpkit.config import CheckpointConfig, ConfigError
+from dcpkit.engine import load as load_plan
+from dcpkit.engine.policy import config_problem, should_save
+from dcpkit.engine.publish import StepInfo, write_and_publish
+from dcpkit.engine.restore import HFCodec, restore
+from dcpkit.engine.save import Saver, collect, mesh_info
+from dcpkit.engine.states import ModelState, Stateful, collect_states
+from dcpkit.errors import CheckpointError
+from dcpkit.layout import MODEL, RNG, step_name
+from dcpkit.storage import StoreError, open_location, open_store
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Saves and restores all training state; usable by any PyTorch trainer.
+
+    Call order: ``load()`` once before training; each step ``maybe_wait_for_staging()`` before
+    ``optimizer.step()`` and ``save(step, last_step=...)`` after it; ``close()`` at the end (or use
+    the manager as a context manager).
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        base_folder: str | Path,
+        model: nn.Module | Sequence[nn.Module],
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        dataloader: Stateful | None = None,
+        states: dict[str, Stateful] | None = None,
+        save_rng: bool = True,
+        hf_model: HFCodec | None = None,
+    ) -> None:
+        self.config = config
+        self.hf_model = hf_model
+        self.store = open_store(config.folder, config.storage_options, base=base_folder)
+        self.folder = self.store.root
+        self.model = ModelState(model)
+        self.states = collect_states(model, optimizer, lr_scheduler, dataloader, states)
+        self.save_rng = save_rng
+        error = config_problem(config, self.state_names(), hf_model is not None)
+        if error:
+            raise ConfigError(error)
+        self.rank, self.world_size = dist.rank(), dist.world_size()
+        self.last_saved_step: int | None = None
+        self.loaded_step: int | None = None
+        writes = config.enable and not config.load_only
+        if config.enable:
+            self._check_store()
+        if writes and self.rank == 0:
+            self.store.remove_incomplete()
+        dist.barrier()
+        self._saver = Saver(config.async_mode) if writes else None
+        self._async = self._saver.async_ckpt if self._saver is not None else None
+
+    def state_names(self) -> list[str]:
+        return [MODEL, *self.states, *([RNG] if self.save_rng else [])]
+
+    def _check_store(self) -> None:
+        error = None
+        if self.rank == 0:
+            try:
+                self.store.check_reachable()
+            except StoreError as e:
+                error = str(e)
+        error = dist.broadcast_object(error)
+        if error:
+            raise CheckpointError(f"[checkpoint] folder {error}")
+
+    def published_steps(self) -> list[int]:
+        """Steps of the published checkpoints in the checkpoint folder, ascending."""
+        return self.store.published_steps()
+
+    def step_path(self, step: int) -> str:
+        return self.store.location(step_name(step))
+
+    def load(self) -> int | None:
+        """Restore the latest published checkpoint (or ``load_step``). Returns its step, or None
+        when there is nothing to load and training starts fresh."""
+        if not self.config.enable:
+            return None
+        plan = load_plan.plan_load(self.config, self.store) if self.rank == 0 else None
+        plan = dist.broadcast_object(plan)
+        if plan.error:
+            raise ConfigError(plan.error)
+        if plan.name is None:
+            logger.info("checkpoint: %s", plan.reason)
+            return None
+        if self.config.verify_on_load:
+            plan = load_plan.verified(plan, self.config, self.store)
+        start = time.perf_counter()
+        loaded = self._restore(plan.store, plan.name, plan.model_only)
+        logger.info(
+            "checkpoint: loaded %s (%s; %s) in %.2fs",
+            plan.location,
+            plan.reason,
+            ", ".join(loaded),
+            time.perf_counter() - start,
+        )
+        self.loaded_step = plan.step
+        return plan.step
+
+    def load_from(self, path: str | Path, model_only: bool = False) -> list[str]:
+        """Load the checkpoint at ``path`` (a folder or a URL) into the current state, at any
+        world size. Returns the names of the state pieces restored."""
+        store, name = open_location(path, self.config.storage_options)
+        return self._restore(store, name, model_only)
+
+    def _restore(self, store: Any, name: str, model_only: bool) -> list[str]:
+        return restore(
+            store,
+            name,
+            self.model,
+            self.states,
+            model_only=model_only,
+            excluded=self.config.exclude_from_loading,
+            rng=self.save_rng,
+            hf=self.hf_model,
+        )
+
+    def verify(self, path: str | Path) -> list[str]:
+        """Problems with the checkpoint at ``path``; every rank checksums its share of the
+        files. Empty when it is intact."""
+        store, name = open_location(path, self.config.storage_options)
+        return load_plan.verify_everywhere(store, name, require_commit=False)
+
+    def should_save(self, step: int, last_step: bool = False, force: bool = False) -> bool:
+        cfg = self.config
+        return should_save(
+            step,
+            interval=cfg.interval,
+            enabled=cfg.enable,
+            load_only=cfg.load_only,
+            first_step=cfg.enable_first_step_checkpoint,
+            last_step=last_step,
+            force=force,
+            last_saved_step=self.last_saved_step,
+        )
+
+    def maybe_wait_for_staging(self) -> None:
+        """Block until the state being staged for a save may be modified: call it before
+        ``optimizer.step()``. Only an asynchronous save's memory copy is waited for."""
+        if self._saver is not None:
+            self._saver.wait_for_staging()
+
+    def save(self, step: int, last_step: bool = False, force: bool = False) -> bool:
+        """Save at ``step`` if the policy says so (or ``force``). Returns whether it saved."""
+        if self._saver is None or not self.should_save(step, last_step, force):
+            return False
+        model_only = last_step and self.config.last_save_model_only
+        state = self.collect(model_only=model_only)
+        info = self._step_info(step, model_only)
+        start = time.perf_counter()
+        if self._saver.async_ckpt is not None and not (last_step or force):
+            self._saver.save_async(state, info)
+            self.last_saved_step = step
+            logger.info(
+                "checkpoint: step %d staging (%s), written in the background; %.3fs in save()",
+                step,
+                self.config.async_mode,
+                time.perf_counter() - start,
+            )
+            return True
+        hf = self.hf_model if model_only and self.config.last_save_in_hf else None
+        self._saver.save_sync(state, info, hf)
+        self.last_saved_step = step
+        logger.info(
+            "checkpoint: saved step %d%s to %s in %.2fs (checksums %.3fs)",
+            step,
+            " (model only, " + self.config.export_dtype + ")" if model_only else "",
+            self.step_path(step),
+            time.perf_counter() - start,
+            self._saver.last_checksum_s,
+        )
+        return True
+
+    @property
+    def last_checksum_s(self) -> float:
+        """Seconds the last synchronous save spent checksumming this rank's files."""
+        return self._saver.last_checksum_s if self._saver else 0.0
+
+    def save_seed_checkpoint(self) -> Path:
+        """Save the model alone as step 0 (``create_seed_checkpoint``), in its own dtype."""
+        state = collect(self.model, {}, rng=False, model_only=True)
+        write_and_publish(self._step_info(0, model_only=True), state)
+        self.last_saved_step = 0
+        return Path(self.step_path(0))
+
+    def collect(self, model_only: bool = False) -> dict[str, Any]:
+        """The state dict to write, in TorchTitan's top-level layout."""
+        dtype = self.config.export_dtype
+        return collect(
+            self.model, self.states, rng=self.save_rng, model_only=model_only, dtype=dtype
+        )
+
+    def _step_info(self, step: int, model_only: bool) -> StepInfo:
+        return StepInfo(
+            store=self.store,
+            step=step,
+            groups=[MODEL] if model_only else self.state_names(),
+            keep_latest_k=self.config.keep_latest_k,
+            dtype=self.config.export_dtype if model_only else None,
+            mesh=mesh_info(self.model),
+        )
+
+    def wait(self) -> None:
+        """Block until every save so far is durable and old steps are deleted (raising an
+        asynchronous save's error, naming its step)."""
+        if self._saver is not None:
+            self._saver.wait()
+            self._saver.wait_for_deletions()
+
+    def close(self) -> None:
+        """Drain pending asynchronous saves (raising their errors) and stop the writer."""
+        if self._saver is not None:
+            saver, self._saver, self._async = self._saver, None, None
+            saver.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

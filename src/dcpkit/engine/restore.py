@@ -1,0 +1,144 @@
+"""Restoring a checkpoint into the live state, at any world size.
+
+A template of the current state (DTensors with this run's sharding) -> ``dcp.load`` reshards the
+saved chunks into it -> each piece restores itself. RNG state follows a documented rule at
+another world size. A Hugging Face folder is read one tensor at a time through the model
+family's codec.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from dcpkit import dist
+from dcpkit.engine.states import ModelState, Stateful, restore_rng, rng_key, rng_source_rank
+from dcpkit.errors import CheckpointError
+from dcpkit.layout import HF_FILES, METADATA, MODEL, RNG
+
+logger = logging.getLogger(__name__)
+
+
+class HFCodec(Protocol):
+    """What the engine needs to read and write Hugging Face folders of one model family
+    (``dcpkit.HFModel`` provides it)."""
+
+    def export(self, view: Any, out: Path) -> None:
+        """Write the model of the DCP checkpoint ``view`` as a Hugging Face folder ``out``."""
+
+    def read_model(self, view: Any) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """``(hf_name, our_name, tensor)`` for every parameter of the folder ``view``."""
+        ...
+
+
+def restore(
+    store: Any,
+    name: str,
+    model: ModelState,
+    states: dict[str, Stateful],
+    *,
+    model_only: bool = False,
+    excluded: Iterable[str] = (),
+    rng: bool = True,
+    hf: HFCodec | None = None,
+) -> list[str]:
+    """Load checkpoint ``name`` of ``store`` into the live state; returns the pieces restored."""
+    location = store.location(name)
+    names = set(store.list_names(name))
+    if names & HF_FILES and METADATA not in names:
+        load_hf(store, name, model, hf)
+        return [MODEL]
+    try:
+        metadata = store.dcp_reader(name).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(f"{location} is not a checkpoint: it has no {METADATA}") from None
+    saved = set(metadata.state_dict_metadata)
+
+    def has_group(group: str) -> bool:
+        prefix = group + "."
+        return group in saved or any(k.startswith(prefix) for k in saved)
+
+    model_sd = model.state_dict()
+    missing = sorted(k for k in model_sd if k not in saved)
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise CheckpointError(
+            f"{location} does not hold {len(missing)} of this model's parameters ({shown}); "
+            "is it a checkpoint of another model or flavor?"
+        )
+    template: dict[str, Any] = dict(model_sd)
+    excluded = set(excluded)
+    pieces: list[str] = []
+    if not model_only:
+        for group, obj in states.items():
+            if group in excluded:
+                logger.info("checkpoint: not loading %r (exclude_from_loading)", group)
+            elif not has_group(group):
+                logger.warning("checkpoint: %s holds no %r; it starts fresh", location, group)
+            else:
+                template[group] = obj.state_dict()
+                pieces.append(group)
+    rng_plan = None
+    if not model_only and rng and RNG not in excluded:
+        rng_plan = _plan_rng(saved, location)
+        if rng_plan is not None:
+            template[RNG] = {rng_key(rng_plan[0]): b""}
+    with dist.quiet_single_process():
+        dcp.load(template, storage_reader=store.dcp_reader(name), no_dist=not dist.is_dist())
+    model.load_state_dict({k: template[k] for k in model_sd})
+    for group in pieces:
+        states[group].load_state_dict(template[group])
+    restored = [MODEL, *pieces]
+    if rng_plan is not None:
+        source, offset = rng_plan
+        restore_rng(template[RNG][rng_key(source)], reseed_offset=offset)
+        restored.append(RNG)
+    return restored
+
+
+def load_hf(store: Any, name: str, model: ModelState, hf: HFCodec | None) -> None:
+    """Model weights from a Hugging Face folder, one parameter at a time (on an object store,
+    read in place by range requests)."""
+    location = store.location(name)
+    if hf is None:
+        raise CheckpointError(
+            f"{location} is a Hugging Face folder; loading it needs hf_model=HFModel(...)"
+        )
+    wanted = set(model.state_dict())
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    with store.view(name) as view:
+        for hf_name, ours, tensor in hf.read_model(view):
+            if ours not in wanted:
+                raise CheckpointError(
+                    f"{location}: {hf_name} maps to {ours}, which this model lacks"
+                )
+            for part in model.parts:
+                set_model_state_dict(part, {ours: tensor}, options=options)
+
+
+def _plan_rng(saved: set[str], location: str) -> tuple[int, int] | None:
+    saved_ranks = sorted(int(k.split("_")[-1]) for k in saved if k.startswith(f"{RNG}.rank_"))
+    if not saved_ranks:
+        logger.warning("checkpoint: %s holds no RNG state; RNG streams start fresh", location)
+        return None
+    saved_world, world = len(saved_ranks), dist.world_size()
+    source, offset = rng_source_rank(dist.rank(), saved_world)
+    if saved_world != world and dist.rank() == 0:
+        logger.warning(
+            "checkpoint: RNG saved by %d ranks, restored on %d: rank r takes saved rank r %% %d%s",
+            saved_world,
+            world,
+            saved_world,
+            "; ranks beyond the saved ones fork that stream (offset r // saved)"
+            if world > saved_world
+            else "",
+        )
+    return source, offset

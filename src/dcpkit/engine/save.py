@@ -1,0 +1,154 @@
+"""Saving: collect the state (DTensors stay sharded), then write it synchronously, hand it to the
+asynchronous checkpointer, or export it as a Hugging Face folder, all published through the
+same pending-step path. Old steps are deleted by a background thread, never before the new step
+is published, so that a synchronous save returns as soon as its step is durable."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from dcpkit import dist
+from dcpkit.engine.async_save import AsyncCheckpointer
+from dcpkit.engine.policy import steps_to_delete
+from dcpkit.engine.publish import Published, StepInfo, delete_steps, write_and_publish
+from dcpkit.engine.restore import HFCodec
+from dcpkit.engine.states import ModelState, Stateful, capture_rng, rng_key
+from dcpkit.layout import DTYPES, MODEL, RNG, staging_name, step_name
+from dcpkit.manifest import build_manifest
+
+logger = logging.getLogger(__name__)
+
+
+def collect(
+    model: ModelState,
+    states: dict[str, Stateful],
+    *,
+    rng: bool,
+    model_only: bool = False,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """The state dict to write, in TorchTitan's top-level layout; a model-only save has its
+    floating tensors cast to ``dtype``."""
+    state: dict[str, Any] = dict(model.state_dict())
+    if model_only:
+        target = DTYPES[dtype]
+        if target != torch.float32:
+            state = {
+                k: v.to(target) if torch.is_tensor(v) and v.is_floating_point() else v
+                for k, v in state.items()
+            }
+        return state
+    for name, obj in states.items():
+        state[name] = obj.state_dict()
+    if rng:
+        state[RNG] = {rng_key(dist.rank()): capture_rng()}
+    return state
+
+
+def mesh_info(model: ModelState) -> dict[str, Any] | None:
+    for part in model.parts:
+        for p in part.parameters():
+            if isinstance(p, DTensor):
+                mesh = p.device_mesh
+                return {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or [])}
+    return None
+
+
+def write_hf_step(info: StepInfo, state: dict[str, Any], hf: HFCodec) -> Published:
+    """The last save as a Hugging Face folder: a model-only DCP save into a staging entry,
+    converted (streaming) by rank 0 into the pending step, then published like any other."""
+    store = info.store
+    staging = store.begin(staging_name(info.step), info.step)
+    pending = store.begin(step_name(info.step), info.step)
+    if dist.rank() == 0:
+        staging.prepare()
+    dist.barrier()
+    with dist.quiet_single_process():
+        dcp.save(state, storage_writer=staging.dcp_writer(), no_dist=not dist.is_dist())
+    doomed: list[int] = []
+    if dist.rank() == 0:
+        pending.prepare()
+        try:
+            with staging.view() as view:
+                hf.export(view, pending.scratch())
+        finally:
+            staging.abort()
+        manifest = build_manifest(
+            info.step,
+            dist.world_size(),
+            [MODEL],
+            pending.describe(pending.local_files()),
+            dtype=info.dtype,
+            mesh=info.mesh,
+            source="hf",
+        )
+        pending.write_manifest(manifest)
+        pending.publish()
+        doomed = steps_to_delete(store.published_steps(), info.keep_latest_k)
+    dist.barrier()
+    return Published(0.0, doomed)
+
+
+class Saver:
+    """Dispatches saves: synchronous, asynchronous (staging + background writer), or as a
+    Hugging Face folder; deletes old steps in the background."""
+
+    def __init__(self, async_mode: str) -> None:
+        self.async_ckpt: AsyncCheckpointer | None = None
+        if async_mode != "disabled":
+            self.async_ckpt = AsyncCheckpointer(async_mode)
+        self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpkit-retention")
+        self.last_checksum_s = 0.0
+
+    def save_async(self, state: dict[str, Any], info: StepInfo) -> None:
+        assert self.async_ckpt is not None
+        self.async_ckpt.save(state, info)
+
+    def save_sync(self, state: dict[str, Any], info: StepInfo, hf: HFCodec | None = None) -> None:
+        """Write and publish now (draining an asynchronous save first)."""
+        self.wait()
+        if hf is not None:
+            published = write_hf_step(info, state, hf)
+        else:
+            published = write_and_publish(info, state, delete_now=False)
+        self.last_checksum_s = published.checksum_s
+        if published.doomed:
+            self._deleter.submit(_delete_logging_failures, info.store, published.doomed)
+
+    def wait_for_staging(self) -> None:
+        if self.async_ckpt is not None:
+            self.async_ckpt.wait_for_staging()
+
+    def wait(self) -> None:
+        """Block until the last save is durable (raising its error)."""
+        if self.async_ckpt is not None:
+            self.async_ckpt.wait()
+
+    def wait_for_deletions(self) -> None:
+        self._deleter.submit(lambda: None).result()
+
+    def close(self) -> None:
+        try:
+            if self.async_ckpt is not None:
+                async_ckpt, self.async_ckpt = self.async_ckpt, None
+                async_ckpt.close()
+        finally:
+            self._deleter.shutdown(wait=True)
+
+
+def _delete_logging_failures(store: Any, steps: list[int]) -> None:
+    try:
+        delete_steps(store, steps)
+    except Exception as e:  # a retention failure must not end training; say so
+        logger.warning(
+            "checkpoint: retention could not delete step %s from %s: %s",
+            ", ".join(map(str, steps)),
+            store.root,
+            e,
+        )

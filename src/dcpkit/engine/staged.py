@@ -1,0 +1,52 @@
+"""What a background writer receives for one save: the plan computed from the live state, and a
+planner that takes the data from the staging buffers instead of the live tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+from dcpkit.engine.publish import StepInfo
+
+
+@dataclasses.dataclass
+class StagedStep:
+    """Everything a writer needs besides the buffers: picklable, small."""
+
+    info: StepInfo
+    items: list[WriteItem]
+    mappings: dict[str, Any]
+    objects: dict[str, Any]
+
+
+class StagedPlanner(DefaultSavePlanner):
+    """A save planner over staged buffers: the write items were computed from the live state
+    (DTensor shards keep their global offsets), the data comes from the buffers."""
+
+    def __init__(self, staged: StagedStep, buffers: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.staged = staged
+        self.buffers = buffers
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):  # type: ignore[no-untyped-def]
+        self.state_dict = {}
+        self.mappings = self.staged.mappings
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(list(self.staged.items), planner_data=self.mappings)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):  # type: ignore[no-untyped-def]
+        fqn = write_item.index.fqn
+        if write_item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(self.staged.objects[fqn], buf)
+            buf.seek(0)
+            return buf
+        return self.buffers[fqn]

@@ -1,0 +1,1 @@
+"""Readers (and streaming writers) of what lies on disk: DCP, safetensors, torch.save."""

@@ -1,0 +1,99 @@
+"""The manifest (``dcpkit.json``) written with every checkpoint dcpkit publishes.
+
+Every file's size and xxh3-64 checksum, computed by the rank that wrote the file right after
+writing it (the bytes are still in the page cache), plus step, world size, mesh and versions.
+The manifest carries a checksum of its own content (its seal), so a change to any file, the
+manifest included, is found and named. Building, sealing and parsing live here, for every store.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+import xxhash
+
+from dcpkit.layout import MANIFEST, MODEL
+
+FORMAT = "dcpkit-checkpoint/1"
+CHECKSUM_ALGORITHM = "xxh3_64"
+SEAL = "manifest_xxh3_64"
+CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint, and the file it is in."""
+
+    file: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.message}" if self.file else self.message
+
+
+def checksum_stream(f: BinaryIO) -> str:
+    """xxh3-64 of everything ``f`` yields from where it stands."""
+    h = xxhash.xxh3_64()
+    while chunk := f.read(CHUNK):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def build_manifest(
+    step: int | None,
+    world_size: int,
+    groups: list[str],
+    files: dict[str, Any],
+    dtype: str | None = None,
+    mesh: dict[str, Any] | None = None,
+    source: str | None = None,
+) -> dict[str, Any]:
+    """The ``dcpkit.json`` written beside every checkpoint dcpkit publishes."""
+    from dcpkit import __version__
+
+    return {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "mesh": mesh,
+        "groups": groups,
+        "model_only": groups == [MODEL],
+        "dtype": dtype,
+        "checksum": CHECKSUM_ALGORITHM,
+        "files": files,
+        "source": source,
+        "dcpkit_version": __version__,
+        "torch_version": torch.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _seal(manifest: dict[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != SEAL}
+    return xxhash.xxh3_64(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def sealed_bytes(manifest: dict[str, Any]) -> bytes:
+    """The manifest as written: with a checksum of its own content."""
+    sealed = {**manifest, SEAL: _seal(manifest)}
+    return (json.dumps(sealed, indent=1, sort_keys=True) + "\n").encode()
+
+
+def parse_manifest(data: bytes) -> tuple[dict[str, Any] | None, list[Problem]]:
+    """The manifest in ``data`` and what is wrong with it (None when it cannot be used)."""
+    try:
+        manifest = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, [Problem(MANIFEST, f"cannot be parsed ({e}): the manifest is corrupt")]
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return None, [Problem(MANIFEST, "is not a dcpkit manifest (no files table)")]
+    seal = manifest.get(SEAL)
+    if seal is not None and seal != _seal(manifest):
+        return manifest, [
+            Problem(MANIFEST, "was altered: its content does not match its own checksum")
+        ]
+    return manifest, []

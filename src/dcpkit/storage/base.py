@@ -1,0 +1,377 @@
+"""Where checkpoint bytes live: one protocol, two stores, chosen once.
+
+A ``CheckpointStore`` is a root (a local folder, or an fsspec URL such as ``s3://bucket/run``)
+holding named entries: ``step-N`` checkpoints, or any file or folder a tool reads or writes. The
+engine, the tools and the conversions ask the store; only ``open_store`` asks whether a path is
+a URL. What differs between stores is how a write becomes visible (publish by rename, or by a
+commit marker written last) and how a deletion avoids leaving something that looks complete.
+
+Writing, in the order every writer calls it (Orbax's temporary-path idea)::
+
+    pending = store.begin(name, step)      # nothing of it is visible yet
+    pending.prepare()                      # rank 0, before any write
+    dcp.save(..., storage_writer=pending.dcp_writer())   # or files written into pending.scratch()
+    files = pending.describe(pending.own_files(rank))    # every rank: sizes and checksums
+    pending.write_manifest(manifest)       # rank 0
+    pending.publish()                      # rank 0: one rename, or the commit marker
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from dcpkit import dist, failpoints
+from dcpkit.layout import (
+    HF_FILES,
+    MANIFEST,
+    METADATA,
+    parse_step,
+    rank_file_prefix,
+)
+from dcpkit.manifest import CHECKSUM_ALGORITHM, Problem, checksum_stream, parse_manifest
+
+logger = logging.getLogger(__name__)
+
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+class StoreError(RuntimeError):
+    """A store cannot be used; the message names the location and what to check."""
+
+
+def is_url(path: Any) -> bool:
+    """An fsspec URL other than ``file://`` (local paths keep dcpkit's rename-based publish)."""
+    text = str(path)
+    return bool(_URL.match(text)) and not text.startswith("file://")
+
+
+def open_store(
+    path_or_url: str | Path,
+    storage_options: dict[str, Any] | None = None,
+    base: str | Path | None = None,
+) -> Any:
+    """The store for a folder or a URL: the one place that tells local from remote. A relative
+    local path is taken relative to ``base`` when given."""
+    if is_url(path_or_url):
+        from dcpkit.storage.fsspec import FsspecStore
+
+        return FsspecStore(str(path_or_url), storage_options)
+    from dcpkit.storage.local import LocalStore
+
+    path = Path(str(path_or_url).removeprefix("file://"))
+    if base is not None and not path.is_absolute():
+        path = Path(base) / path
+    return LocalStore(path)
+
+
+def open_location(
+    path_or_url: str | Path, storage_options: dict[str, Any] | None = None
+) -> tuple[Any, str]:
+    """``(store of the parent, name)`` for one checkpoint, file or folder."""
+    text = str(path_or_url).rstrip("/") or "/"
+    if is_url(text):
+        parent, _, name = text.rpartition("/")
+        return open_store(parent, storage_options), name
+    path = Path(text.removeprefix("file://"))
+    return open_store(path.parent, storage_options), path.name
+
+
+@contextlib.contextmanager
+def open_checkpoint(
+    path_or_url: str | Path, storage_options: dict[str, Any] | None = None, data: bool = True
+) -> Iterator[CheckpointView]:
+    """A checkpoint (or file) as the format readers see it; ``data=False`` when no tensor data
+    will be read (a remote checkpoint then costs its metadata only)."""
+    store, name = open_location(path_or_url, storage_options)
+    with store.view(name, data=data) as view:
+        yield view
+
+
+def local_open(path: Path) -> BinaryIO:
+    return open(path, "rb")
+
+
+@dataclass
+class CheckpointView:
+    """A checkpoint as the format readers see it: a local ``path`` (the checkpoint itself, or a
+    metadata-only copy of a remote one) and the ``opener`` that reads its files' bytes."""
+
+    path: Path
+    location: str
+    """What to call it in messages: the path or the URL."""
+    store: CheckpointStore
+    name: str
+    opener: Callable[[Path], BinaryIO] = local_open
+
+
+@dataclass
+class FileStat:
+    is_dir: bool
+    size: int
+    mtime: float | None
+
+
+@dataclass
+class StepEntry:
+    """One checkpoint-like entry of a checkpoint folder, for ``dcpkit list``."""
+
+    name: str
+    step: int | None
+    size: int
+    mtime: float | None
+    status: str
+    published: bool
+
+
+class PendingStep(ABC):
+    """A checkpoint (or conversion output) being written; invisible until ``publish()``."""
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        name: str,
+        step: int | None,
+        kill_pid: int | None,
+        is_dir: bool,
+    ) -> None:
+        self.store, self.name, self.step, self.kill_pid, self.is_dir = (
+            store,
+            name,
+            step,
+            kill_pid,
+            is_dir,
+        )
+
+    @abstractmethod
+    def prepare(self) -> None:
+        """Rank 0, before any write: remove what an earlier attempt left under this name."""
+
+    @abstractmethod
+    def dcp_writer(self) -> Any:
+        """A DCP ``StorageWriter`` into this pending step."""
+
+    @abstractmethod
+    def scratch(self) -> Path:
+        """A local folder (or file, for a file output) that writers of local files fill."""
+
+    @abstractmethod
+    def own_files(self, rank: int) -> list[str]:
+        """The data files DCP wrote for ``rank``."""
+
+    @abstractmethod
+    def describe(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        """``{name: {"size": bytes, "xxh3_64": hex}}`` of written files."""
+
+    @abstractmethod
+    def write_manifest(self, manifest: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    def _commit(self) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Remove everything written (a failed conversion leaves no partial output)."""
+
+    @abstractmethod
+    def view(self) -> contextlib.AbstractContextManager[CheckpointView]:
+        """The written, unpublished files as the format readers see them."""
+
+    def publish(self) -> None:
+        """Make the entry visible, in one step that a crash cannot leave half done."""
+        rank = dist.rank()
+        failpoints.hit("before_publish", self.step, rank, self.kill_pid)
+        self._commit()
+        failpoints.hit("after_publish", self.step, rank, self.kill_pid)
+
+    def local_files(self) -> list[str]:
+        """Every file written into ``scratch()`` except the manifest."""
+        root = self.scratch()
+        return sorted(p.name for p in root.iterdir() if p.is_file() and p.name != MANIFEST)
+
+
+class CrashPointWriter:
+    """Mixed into DCP's storage writers: a crash point once this rank's data is written (before
+    rank 0 has written ``.metadata``)."""
+
+    _step: int | None = None
+    _kill_pid: int | None = None
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        future = super().write_data(plan, planner)  # type: ignore[misc]
+        future.wait()
+        failpoints.hit("mid_write", self._step, dist.rank(), self._kill_pid)
+        return future
+
+
+class CheckpointStore(ABC):
+    """A root holding checkpoints and files. Primitives per store; the rest is shared."""
+
+    root: str
+    storage_options: dict[str, Any]
+    own_names: frozenset[str] = frozenset()
+    """Names the store itself adds to a checkpoint folder (never listed in a manifest)."""
+    incomplete_status = "incomplete (interrupted save; never loaded, removed by the next save)"
+
+    # -- primitives ------------------------------------------------------------------------------
+
+    @abstractmethod
+    def location(self, name: str = "") -> str:
+        """The path or URL of ``name`` (the root when empty)."""
+
+    @abstractmethod
+    def list_names(self, folder: str = "") -> list[str]:
+        """Names in the root (or in ``folder``), sorted; empty when it does not exist."""
+
+    @abstractmethod
+    def stat(self, name: str) -> FileStat | None: ...
+
+    @abstractmethod
+    def open_read(self, name: str) -> BinaryIO: ...
+
+    @abstractmethod
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Write a whole (small) file durably."""
+
+    @abstractmethod
+    def remove(self, name: str) -> None:
+        """Remove a file or a folder with everything in it; nothing when it is missing."""
+
+    @abstractmethod
+    def check_reachable(self) -> None:
+        """Fail early, naming the location, when the store cannot be used."""
+
+    @abstractmethod
+    def begin(
+        self, name: str, step: int | None = None, kill_pid: int | None = None, is_dir: bool = True
+    ) -> PendingStep: ...
+
+    @abstractmethod
+    def dcp_reader(self, name: str) -> Any:
+        """A DCP ``StorageReader`` of checkpoint ``name``."""
+
+    @abstractmethod
+    def view(self, name: str, data: bool = True) -> contextlib.AbstractContextManager[Any]:
+        """``name`` as a ``CheckpointView``; FileNotFoundError naming it when it is missing."""
+
+    @abstractmethod
+    def is_published(self, name: str) -> bool:
+        """A ``step-N`` entry that discovery may load (the store's publish rule)."""
+
+    @abstractmethod
+    def is_incomplete(self, name: str) -> bool:
+        """An entry left by an interrupted write: never loaded, removed by the next save."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Delete a checkpoint so that no crash can leave it looking complete."""
+
+    def uncommitted_reason(self, name: str) -> str | None:
+        """Why a written checkpoint is not published, where the store can tell."""
+        return None
+
+    # -- shared ----------------------------------------------------------------------------------
+
+    def exists(self, name: str) -> bool:
+        return self.stat(name) is not None
+
+    def size(self, name: str) -> int:
+        st = self.stat(name)
+        if st is None:
+            raise FileNotFoundError(f"{self.location(name)} does not exist")
+        return st.size
+
+    def read_bytes(self, name: str) -> bytes:
+        with self.open_read(name) as f:
+            return f.read()
+
+    def checksum(self, name: str) -> str:
+        with self.open_read(name) as f:
+            return checksum_stream(f)
+
+    def describe(self, folder: str, names: list[str]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for n in names:
+            path = f"{folder}/{n}" if folder else n
+            out[n] = {"size": self.size(path), CHECKSUM_ALGORITHM: self.checksum(path)}
+        return out
+
+    def holds_checkpoint(self, name: str) -> bool:
+        """DCP metadata, or a Hugging Face index or single file, in folder ``name``."""
+        names = set(self.list_names(name))
+        return METADATA in names or bool(names & HF_FILES)
+
+    def published_steps(self) -> list[int]:
+        """Steps of the published checkpoints, ascending."""
+        return sorted(
+            step
+            for name in self.list_names()
+            if (step := parse_step(name)) is not None and self.is_published(name)
+        )
+
+    def latest_step(self) -> int | None:
+        steps = self.published_steps()
+        return steps[-1] if steps else None
+
+    def incomplete_names(self) -> list[str]:
+        return [n for n in self.list_names() if self.is_incomplete(n)]
+
+    def remove_incomplete(self) -> list[str]:
+        """Remove what interrupted saves left behind; returns their names."""
+        removed = self.incomplete_names()
+        for name in removed:
+            logger.warning("removing %s, left by an interrupted save", self.location(name))
+            self.remove(name)
+        return removed
+
+    def read_manifest(self, folder: str) -> tuple[dict[str, Any] | None, list[Problem]]:
+        """The manifest of ``folder`` (None when it has none) and what is wrong with it."""
+        name = f"{folder}/{MANIFEST}" if folder else MANIFEST
+        if not self.exists(name):
+            return None, []
+        return parse_manifest(self.read_bytes(name))
+
+    def tree_size(self, name: str) -> int:
+        st = self.stat(name)
+        if st is None:
+            return 0
+        if not st.is_dir:
+            return st.size
+        return sum(self.tree_size(f"{name}/{n}") for n in self.list_names(name))
+
+    def entries(self) -> list[StepEntry]:
+        """Every checkpoint-like entry: published checkpoints and interrupted leftovers."""
+        rows = []
+        for name in self.list_names():
+            step = parse_step(name)
+            if self.is_incomplete(name):
+                digits = name.rsplit("-", 1)[-1].split(".")[0]
+                step = int(digits) if digits.isdigit() else None
+                status, published = self.incomplete_status, False
+            elif step is not None and self.is_published(name):
+                manifest, _ = self.read_manifest(name)
+                if manifest is None:
+                    status = "published (no dcpkit manifest)"
+                elif manifest.get("model_only"):
+                    status = f"published, model only ({manifest.get('dtype')})"
+                else:
+                    status = f"published, {manifest.get('world_size')} rank(s)"
+                published = True
+            else:
+                continue
+            st = self.stat(name)
+            mtime = st.mtime if st is not None else None
+            rows.append(StepEntry(name, step, self.tree_size(name), mtime, status, published))
+        rows.sort(key=lambda r: (r.step is None, r.step or 0, r.name))
+        return rows
+
+
+def own_files_of(names: list[str], rank: int) -> list[str]:
+    prefix = rank_file_prefix(rank)
+    return sorted(n for n in names if n.startswith(prefix))

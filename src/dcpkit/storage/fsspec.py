@@ -1,0 +1,325 @@
+"""Object stores and other fsspec file systems (``s3://``, ``gs://``, ``memory://``, ...):
+publish by commit marker.
+
+Rename is not atomic on an object store, so every rank's data, ``.metadata`` and the manifest are
+uploaded straight into ``step-N/``, and a commit marker, written last, makes it a checkpoint.
+Discovery sees only folders with the marker; folders without it are abandoned uploads, removed
+by the next run. Deletion removes the marker first, so a half-deleted checkpoint is never taken
+for a complete one.
+
+The tools read a remote checkpoint through a metadata-only local copy (small files whole, data
+files as sparse files of their true size, safetensors files as their header), whose data files
+are read from the remote originals by range requests as tensors are asked for: nothing is
+downloaded whole.
+
+Credentials and endpoint come from the standard environment (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ...) or from ``[checkpoint] storage_options``,
+passed to fsspec as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from dcpkit.layout import COMMIT_MARKER, MANIFEST, STAGING_SUFFIX, parse_step
+from dcpkit.manifest import CHUNK, sealed_bytes
+from dcpkit.storage.base import (
+    CheckpointStore,
+    CheckpointView,
+    CrashPointWriter,
+    FileStat,
+    PendingStep,
+    StoreError,
+    local_open,
+    own_files_of,
+)
+
+_SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit
+_SMALL_FILE = 64 << 20  # other files up to this size are copied (metadata, configs, tokenizers)
+_STREAM_BLOCK = 4 << 20  # range request size when tensors are read from the remote files
+_STREAM_BLOCKS = 8  # blocks cached per open file: 32 MiB
+
+
+class FsspecStore(CheckpointStore):
+    """An fsspec file system and a root URL on it."""
+
+    own_names = frozenset({COMMIT_MARKER})
+    incomplete_status = "incomplete (upload never committed; removed by the next save)"
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        try:
+            import fsspec
+        except ImportError:
+            raise StoreError(
+                f"{url}: remote storage needs fsspec and the file system's package "
+                "(pip install 'dcpkit[remote]', i.e. fsspec and s3fs)"
+            ) from None
+        self.root = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        try:
+            self.fs, self.path = fsspec.core.url_to_fs(self.root, **self.storage_options)
+        except (ImportError, ValueError) as e:
+            raise StoreError(f"{self.root}: {e}") from None
+
+    def __reduce__(self) -> Any:
+        return (FsspecStore, (self.root, self.storage_options))
+
+    def _p(self, name: str = "") -> str:
+        return f"{self.path}/{name}" if name else self.path
+
+    def location(self, name: str = "") -> str:
+        return f"{self.root}/{name}" if name else self.root
+
+    # -- primitives
+
+    def list_names(self, folder: str = "") -> list[str]:
+        try:
+            entries = self.fs.ls(self._p(folder), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise StoreError(_explain(self.location(folder), e)) from None
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def stat(self, name: str) -> FileStat | None:
+        self.fs.invalidate_cache()
+        try:
+            info = self.fs.info(self._p(name))
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise StoreError(_explain(self.location(name), e)) from None
+        mtime = info.get("LastModified") or info.get("mtime") or info.get("created")
+        if mtime is not None and hasattr(mtime, "timestamp"):
+            mtime = mtime.timestamp()
+        is_dir = info.get("type") == "directory"
+        return FileStat(is_dir, int(info.get("size") or 0), float(mtime) if mtime else None)
+
+    def open_read(self, name: str) -> BinaryIO:
+        return self.fs.open(self._p(name), "rb", block_size=CHUNK)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        with self.fs.open(self._p(name), "wb") as f:
+            f.write(data)
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._p(name), recursive=True)
+
+    def check_reachable(self) -> None:
+        bucket = self.path.split("/", 1)[0]
+        if "memory" in self.fs.protocol:
+            return
+        try:
+            self.fs.ls(bucket, detail=False, refresh=True)
+        except FileNotFoundError:
+            raise StoreError(
+                f"{self.root}: the bucket {bucket!r} does not exist; create it or fix the URL"
+            ) from None
+        except PermissionError as e:
+            raise StoreError(
+                f"{self.root}: the credentials were rejected ({e}); check AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL) or [checkpoint] storage_options"
+            ) from None
+        except Exception as e:  # botocore/s3fs errors vary by version
+            raise StoreError(_explain(self.root, e)) from None
+
+    def begin(
+        self, name: str, step: int | None = None, kill_pid: int | None = None, is_dir: bool = True
+    ) -> PendingStep:
+        return FsspecPending(self, name, step, kill_pid, is_dir)
+
+    def dcp_reader(self, name: str) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(self.location(name), **self.storage_options)
+
+    def is_published(self, name: str) -> bool:
+        return parse_step(name) is not None and COMMIT_MARKER in self.list_names(name)
+
+    def is_incomplete(self, name: str) -> bool:
+        stepped = parse_step(name.removesuffix(STAGING_SUFFIX)) is not None
+        return stepped and COMMIT_MARKER not in self.list_names(name)
+
+    def delete(self, name: str) -> None:
+        self.remove(f"{name}/{COMMIT_MARKER}")  # uncommit first: never half-deleted
+        self.remove(name)
+
+    def uncommitted_reason(self, name: str) -> str | None:
+        names = self.list_names(name)
+        if parse_step(name) is not None and MANIFEST in names and COMMIT_MARKER not in names:
+            return (
+                f"no {COMMIT_MARKER}: the upload never committed, so training does not pick "
+                "this step"
+            )
+        return None
+
+    # -- reading checkpoints in place
+
+    @contextlib.contextmanager
+    def view(self, name: str, data: bool = True) -> Iterator[CheckpointView]:
+        self.check_reachable()
+        st = self.stat(name)
+        if st is None:
+            raise FileNotFoundError(f"{self.location(name)} does not exist")
+        tmp = tempfile.TemporaryDirectory(prefix="dcpkit-remote-")
+        try:
+            local = Path(tmp.name) / name.rsplit("/", 1)[-1]
+            opener: Callable[[Path], BinaryIO] = local_open
+            if not st.is_dir:
+                self.fs.get(self._p(name), str(local))  # a single file: downloaded whole
+            else:
+                self._skeleton(name, local)
+                opener = self._range_opener(name) if data else _no_data(self.location(name))
+            yield CheckpointView(local, self.location(name), self, name, opener)
+        finally:
+            tmp.cleanup()
+
+    def _skeleton(self, name: str, dest: Path) -> None:
+        """Small files whole; ``.distcp`` and other large files as sparse files of their true
+        size; ``.safetensors`` files as their header in a sparse file of their true size."""
+        dest.mkdir()
+        for entry in self.fs.ls(self._p(name), detail=True, refresh=True):
+            if entry.get("type") != "file":
+                continue
+            file = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            size, local = int(entry["size"]), dest / file
+            if file.endswith(".distcp") or (
+                size > _SMALL_FILE and not file.endswith(".safetensors")
+            ):
+                with open(local, "wb") as f:
+                    f.truncate(size)
+            elif file.endswith(".safetensors"):
+                with self.fs.open(self._p(f"{name}/{file}"), "rb") as src, open(local, "wb") as f:
+                    head = src.read(8)
+                    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                    f.write(head)
+                    if 0 < n <= min(_SAFETENSORS_HEADER_MAX, size - 8):
+                        f.write(src.read(n))
+                    f.truncate(size)
+            else:
+                self.fs.get(self._p(f"{name}/{file}"), str(local))
+
+    def _range_opener(self, name: str) -> Callable[[Path], BinaryIO]:
+        def opener(path: Path) -> BinaryIO:
+            return self.fs.open(
+                self._p(f"{name}/{path.name}"),
+                "rb",
+                block_size=_STREAM_BLOCK,
+                cache_type="blockcache",
+                cache_options={"maxblocks": _STREAM_BLOCKS},
+            )
+
+        return opener
+
+
+def _no_data(location: str) -> Callable[[Path], BinaryIO]:
+    def opener(path: Path) -> BinaryIO:
+        raise StoreError(f"{location}/{path.name}: tensor data was not fetched for this view")
+
+    return opener
+
+
+@functools.cache
+def _step_writer_class() -> type:
+    """DCP's fsspec writer with the ``mid_write`` crash point (defined on first use: fsspec is
+    an optional dependency)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    class FsspecStepWriter(CrashPointWriter, FsspecWriter):
+        pass
+
+    return FsspecStepWriter
+
+
+class FsspecPending(PendingStep):
+    """Uploaded straight into ``NAME/``; the commit marker, written last, publishes it."""
+
+    store: FsspecStore
+
+    def __init__(self, store: FsspecStore, name: str, step, kill_pid, is_dir) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(store, name, step, kill_pid, is_dir)
+        self._scratch: tempfile.TemporaryDirectory | None = None
+
+    def prepare(self) -> None:
+        if self.store.exists(self.name):
+            self.store.remove(self.name)  # an abandoned upload of this name, or a re-save
+
+    def dcp_writer(self) -> Any:
+        writer = _step_writer_class()(self.store.location(self.name), **self.store.storage_options)
+        writer._step, writer._kill_pid = self.step, self.kill_pid
+        return writer
+
+    def scratch(self) -> Path:
+        if self._scratch is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="dcpkit-upload-")
+            if self.is_dir:
+                (Path(self._scratch.name) / self.name).mkdir()
+        return Path(self._scratch.name) / self.name
+
+    def own_files(self, rank: int) -> list[str]:
+        return own_files_of(self.store.list_names(self.name), rank)
+
+    def describe(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        if self._scratch is not None:  # written locally, uploaded at publish
+            from dcpkit.storage.local import LocalStore
+
+            return LocalStore(self.scratch()).describe("", names)
+        return self.store.describe(self.name, names)
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        self.store.write_bytes(f"{self.name}/{MANIFEST}", sealed_bytes(manifest))
+
+    def _commit(self) -> None:
+        if self._scratch is not None:
+            local = self.scratch()
+            files = sorted(local.iterdir()) if self.is_dir else [local]
+            for path in files:
+                target = f"{self.name}/{path.name}" if self.is_dir else self.name
+                self.store.fs.put(str(path), self.store._p(target))
+            self._scratch.cleanup()
+            self._scratch = None
+        if self.is_dir:
+            self.store.write_bytes(f"{self.name}/{COMMIT_MARKER}", b"")
+
+    def abort(self) -> None:
+        self.store.remove(self.name)
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+
+    @contextlib.contextmanager
+    def view(self) -> Iterator[CheckpointView]:
+        if self._scratch is not None:
+            yield CheckpointView(
+                self.scratch(), self.store.location(self.name), self.store, self.name
+            )
+        else:
+            with self.store.view(self.name) as view:
+                yield view
+
+
+def _explain(url: str, e: Exception) -> str:
+    text = str(e) or type(e).__name__
+    lowered = text.lower()
+    rejected = (
+        "invalidaccesskeyid",
+        "signaturedoesnotmatch",
+        "access denied",
+        "accessdenied",
+        "forbidden",
+        "credentials",
+    )
+    if any(s in lowered for s in rejected):
+        return (
+            f"{url}: the credentials were rejected ({text}); check AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY or [checkpoint] storage_options"
+        )
+    if "bucket" in lowered and ("not exist" in lowered or "nosuchbucket" in lowered):
+        return f"{url}: the bucket does not exist ({text}); create it or fix the URL"
+    return f"{url}: {type(e).__name__}: {text}"

@@ -1,0 +1,227 @@
+"""A local (or network-mounted) folder: publish by rename, durably.
+
+A write goes into ``.tmp-NAME``; when it is complete (DCP ``.metadata`` or a Hugging Face index,
+and the manifest) one rename makes it ``NAME``, after an fsync of its files' folder. Discovery
+only ever sees ``step-N`` folders, so a crash at any moment leaves either the previous
+checkpoint as "latest" or the new one, complete. A deletion renames to ``.old-NAME`` first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from dcpkit.layout import (
+    HF_FILES,
+    MANIFEST,
+    METADATA,
+    OLD_PREFIX,
+    STEP_PREFIX,
+    TEMP_PREFIX,
+    parse_step,
+)
+from dcpkit.manifest import CHECKSUM_ALGORITHM, checksum_stream, sealed_bytes
+from dcpkit.storage.base import (
+    CheckpointStore,
+    CheckpointView,
+    CrashPointWriter,
+    FileStat,
+    PendingStep,
+    own_files_of,
+)
+
+
+class StepFileWriter(CrashPointWriter, FileSystemWriter):
+    """DCP's file system writer, with the ``mid_write`` crash point."""
+
+    def __init__(self, path: Path, step: int | None, kill_pid: int | None = None) -> None:
+        super().__init__(str(path))
+        self._step, self._kill_pid = step, kill_pid
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+class LocalStore(CheckpointStore):
+    """A folder on a file system with atomic rename."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.path = Path(root)
+        self.root = str(self.path)
+        self.storage_options: dict[str, Any] = {}
+
+    def __reduce__(self) -> Any:
+        return (LocalStore, (self.path,))
+
+    def _p(self, name: str) -> Path:
+        return self.path / name if name else self.path
+
+    def location(self, name: str = "") -> str:
+        return str(self._p(name))
+
+    def list_names(self, folder: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self._p(folder)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def stat(self, name: str) -> FileStat | None:
+        p = self._p(name)
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            return None
+        return FileStat(p.is_dir(), st.st_size, st.st_mtime)
+
+    def open_read(self, name: str) -> BinaryIO:
+        return open(self._p(name), "rb")
+
+    def checksum(self, name: str) -> str:
+        with open(self._p(name), "rb") as f:
+            return checksum_stream(f)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        write_durably(self._p(name), data)
+
+    def remove(self, name: str) -> None:
+        _remove_path(self._p(name))
+
+    def check_reachable(self) -> None:
+        return None
+
+    def begin(
+        self, name: str, step: int | None = None, kill_pid: int | None = None, is_dir: bool = True
+    ) -> PendingStep:
+        return LocalPending(self, name, step, kill_pid, is_dir)
+
+    def dcp_reader(self, name: str) -> Any:
+        return FileSystemReader(self.location(name))
+
+    @contextlib.contextmanager
+    def view(self, name: str, data: bool = True) -> Iterator[CheckpointView]:
+        path = self._p(name)
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        yield CheckpointView(path, str(path), self, name)
+
+    def is_published(self, name: str) -> bool:
+        return (
+            parse_step(name) is not None and self._p(name).is_dir() and self.holds_checkpoint(name)
+        )
+
+    def is_incomplete(self, name: str) -> bool:
+        if not self._p(name).is_dir():
+            return False
+        if name.startswith((TEMP_PREFIX + STEP_PREFIX, OLD_PREFIX + STEP_PREFIX)):
+            return True
+        # step-N folders without metadata: written by something that crashed before finishing.
+        return parse_step(name) is not None and not self.holds_checkpoint(name)
+
+    def delete(self, name: str) -> None:
+        # Rename first so that a crash half-way through the delete never leaves a step-N
+        # folder that looks complete but is missing files.
+        trash = self._p(f"{OLD_PREFIX}{name}")
+        _remove_path(trash)
+        try:
+            os.replace(self._p(name), trash)
+        except FileNotFoundError:
+            return  # deleted already
+        _remove_path(trash)
+
+
+class LocalPending(PendingStep):
+    """``.tmp-NAME``, renamed to ``NAME`` when published."""
+
+    store: LocalStore
+
+    def __init__(self, store: LocalStore, name: str, step, kill_pid, is_dir) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(store, name, step, kill_pid, is_dir)
+        self.tmp = store.path / f"{TEMP_PREFIX}{name}"
+        self.final = store.path / name
+
+    def prepare(self) -> None:
+        # What an earlier attempt left; anything else in the way makes the write fail, naming it.
+        if self.tmp.is_dir() == self.is_dir:
+            _remove_path(self.tmp)
+        self.tmp.parent.mkdir(parents=True, exist_ok=True)
+        if self.is_dir:
+            self.tmp.mkdir()
+
+    def dcp_writer(self) -> Any:
+        return StepFileWriter(self.tmp, self.step, self.kill_pid)
+
+    def scratch(self) -> Path:
+        return self.tmp
+
+    def own_files(self, rank: int) -> list[str]:
+        return own_files_of(os.listdir(self.tmp), rank)
+
+    def describe(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for name in names:
+            path = self.tmp / name
+            with open(path, "rb") as f:
+                digest = checksum_stream(f)
+            out[name] = {"size": path.stat().st_size, CHECKSUM_ALGORITHM: digest}
+        return out
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        write_durably(self.tmp / MANIFEST, sealed_bytes(manifest))
+
+    def _commit(self) -> None:
+        if self.is_dir:
+            names = set(os.listdir(self.tmp))
+            if METADATA not in names and not names & HF_FILES:
+                raise RuntimeError(
+                    f"refusing to publish {self.tmp}: it holds no complete checkpoint"
+                )
+            fsync_dir(self.tmp)
+        old = None
+        if self.final.exists():
+            old = self.final.with_name(f"{OLD_PREFIX}{self.final.name}")
+            _remove_path(old)
+            os.replace(self.final, old)
+        os.replace(self.tmp, self.final)
+        fsync_dir(self.final.parent)
+        if old is not None:
+            _remove_path(old)
+
+    def abort(self) -> None:
+        _remove_path(self.tmp)
+
+    @contextlib.contextmanager
+    def view(self) -> Iterator[CheckpointView]:
+        yield CheckpointView(self.tmp, str(self.tmp), self.store, self.tmp.name)

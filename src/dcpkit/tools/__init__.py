@@ -1,0 +1,1 @@
+"""The command-line tools' library side: inspect, verify, diff, list."""

@@ -1,0 +1,70 @@
+"""``dcpkit list``: the checkpoints of a checkpoint folder (local or remote), with their status."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dcpkit.integrity import verify_checkpoint
+from dcpkit.storage import StepEntry, open_store
+from dcpkit.units import human_bytes
+
+
+class NotAFolder(ValueError):
+    """The path is not a folder of checkpoints."""
+
+
+@dataclass
+class Listing:
+    root: str
+    entries: list[StepEntry]
+
+
+def list_checkpoints(
+    folder: str | Path, checksums: bool = False, storage_options: dict[str, Any] | None = None
+) -> Listing:
+    """Every checkpoint and leftover under ``folder``; a published one that fails verification
+    (sizes and structure, and with ``checksums`` its checksums) is marked CORRUPT."""
+    store = open_store(folder, storage_options)
+    store.check_reachable()
+    st = store.stat("")
+    if st is None:
+        raise NotAFolder(
+            f"{store.root} does not exist; pass a checkpoint folder (the one holding step-N)"
+        )
+    if not st.is_dir:
+        raise NotAFolder(
+            f"{store.root} is not a folder; pass the folder that holds step-N checkpoints"
+        )
+    entries = store.entries()
+    for entry in entries:
+        if entry.published:
+            report = verify_checkpoint(store, entry.name, checksums=checksums)
+            if not report.ok:
+                entry.status = f"CORRUPT ({report.problems[0]})"
+    return Listing(store.root, entries)
+
+
+def _human_age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h"
+    return f"{seconds / 86400:.0f}d"
+
+
+def listing_lines(listing: Listing) -> list[str]:
+    """What ``dcpkit list`` prints."""
+    if not listing.entries:
+        return [f"{listing.root}: no checkpoints"]
+    now = time.time()
+    lines = [f"{'checkpoint':<18} {'step':>8} {'size':>10} {'age':>6}  status"]
+    for row in listing.entries:
+        step = "" if row.step is None else str(row.step)
+        age = _human_age(now - row.mtime) if row.mtime is not None else "-"
+        lines.append(f"{row.name:<18} {step:>8} {human_bytes(row.size):>10} {age:>6}  {row.status}")
+    return lines

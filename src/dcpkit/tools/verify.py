@@ -1,0 +1,33 @@
+"""``dcpkit verify``: prove a checkpoint intact, or list every problem with the file it is in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dcpkit.integrity import VerifyReport, verify_checkpoint
+from dcpkit.storage import open_location
+
+
+def verify_path(
+    path: str | Path, checksums: bool = True, storage_options: dict[str, Any] | None = None
+) -> VerifyReport:
+    """Check the checkpoint at ``path`` (a folder, a file or a URL): manifest sizes and
+    checksums, and the format's own structure. A remote checkpoint is checked in place."""
+    store, name = open_location(path, storage_options)
+    return verify_checkpoint(store, name, checksums=checksums)
+
+
+def report_lines(report: VerifyReport) -> list[str]:
+    """What ``dcpkit verify`` prints."""
+    lines = [f"note: {note}" for note in report.notes]
+    if report.ok:
+        what = "sizes and checksums" if report.checksummed else "sizes"
+        lines.append(
+            f"OK: {report.path} ({report.kind}): structure intact, {what} of "
+            f"{report.files_checked} file(s) match"
+        )
+        return lines
+    lines.append(f"FAILED: {report.path} ({report.kind}): {len(report.problems)} problem(s)")
+    lines += [f"  {problem}" for problem in report.problems]
+    return lines

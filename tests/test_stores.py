@@ -1,0 +1,191 @@
+"""Store conformance: the same cases over every store (a local folder, ``memory://``, and S3 on
+a real S3-compatible server on loopback), through the public API. A new store passes this file
+before anything else uses it."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import BUCKET
+from dcpkit import CheckpointConfig, CheckpointManager, HFModel
+from dcpkit.convert.torch_save import from_torch, to_torch
+from dcpkit.integrity import verify_checkpoint
+from dcpkit.layout import MANIFEST
+from dcpkit.manifest import build_manifest
+from dcpkit.models import build_model, flavors
+from dcpkit.storage import open_store
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+STORES = ["local", "memory", "s3"]
+
+
+@pytest.fixture(params=STORES)
+def root(request, tmp_path) -> str:
+    """A fresh checkpoint folder on each kind of store."""
+    if request.param == "local":
+        return str(tmp_path / "checkpoint")
+    if request.param == "memory":
+        return f"memory://dcpkit-{uuid.uuid4().hex}/checkpoint"
+    request.getfixturevalue("s3")
+    return f"s3://{BUCKET}/conformance-{uuid.uuid4().hex}/checkpoint"
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_model("llama3", "debugmodel", max_seq_len=16, n_layers=1)
+
+
+def _manager(root: str, model, tmp_path, **cfg) -> CheckpointManager:
+    config = CheckpointConfig(enable=True, folder=root, interval=1, **cfg)
+    return CheckpointManager(config, tmp_path, model)
+
+
+def _save_steps(root, tmp_path, steps, **cfg) -> torch.nn.Module:
+    model = _model()
+    with _manager(root, model, tmp_path, **cfg) as mgr:
+        for step in steps:
+            with torch.no_grad():
+                model.norm.weight.fill_(float(step))
+            mgr.save(step)
+    return model
+
+
+def test_publish_discovery_and_round_trip(root, tmp_path):
+    model = _save_steps(root, tmp_path, [1, 2, 3], keep_latest_k=0)
+    store = open_store(root)
+    assert store.published_steps() == [1, 2, 3] and store.latest_step() == 3
+    assert store.incomplete_names() == []
+    manifest, problems = store.read_manifest("step-3")
+    assert problems == [] and manifest["step"] == 3 and MANIFEST not in manifest["files"]
+    fresh = _model(seed=1)
+    assert _manager(root, fresh, tmp_path).load() == 3
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    rows = {e.name: e for e in store.entries()}
+    assert rows["step-3"].published and rows["step-3"].status == "published, 1 rank(s)"
+    files = sum(f["size"] for f in manifest["files"].values())
+    assert rows["step-3"].size == files + len(store.read_bytes(f"step-3/{MANIFEST}"))
+
+
+def test_retention_deletes_only_after_publish(root, tmp_path):
+    _save_steps(root, tmp_path, [1, 2, 3, 4], keep_latest_k=2)
+    store = open_store(root)
+    assert store.published_steps() == [3, 4]
+    assert [n for n in store.list_names() if "step" in n] == ["step-3", "step-4"]
+
+
+def _crash_before_commit(store, step: int, model) -> None:
+    """What a writer killed between its last byte and the publish leaves: every file written
+    (data, ``.metadata``, manifest), nothing published."""
+    pending = store.begin(f"step-{step}", step)
+    pending.prepare()
+    dcp.save(dict(model.state_dict()), storage_writer=pending.dcp_writer(), no_dist=True)
+    files = pending.describe([*pending.own_files(0), ".metadata"])
+    pending.write_manifest(build_manifest(step, 1, ["model"], files))
+
+
+def test_crash_before_commit_is_never_loaded_and_is_cleaned(root, tmp_path):
+    model = _save_steps(root, tmp_path, [1])
+    store = open_store(root)
+    _crash_before_commit(store, 2, model)
+    assert store.published_steps() == [1]
+    assert len(store.incomplete_names()) == 1
+    assert [e.published for e in store.entries()] == [True, False]
+    fresh = _model(seed=1)
+    mgr = _manager(root, fresh, tmp_path)  # a new run removes what the crash left
+    assert store.incomplete_names() == []
+    assert mgr.load() == 1
+    mgr.save(2)
+    mgr.close()
+    assert store.published_steps() == [1, 2]
+
+
+def test_a_half_done_delete_never_looks_complete(root, tmp_path):
+    _save_steps(root, tmp_path, [1, 2], keep_latest_k=0)
+    store = open_store(root)
+    store.delete("step-1")
+    assert store.published_steps() == [2] and store.incomplete_names() == []
+    assert not store.exists("step-1")
+    store.delete("step-1")  # deleting twice (two deleters racing) is harmless
+
+
+def test_verify_names_the_same_fault_the_same_way(root, tmp_path):
+    _save_steps(root, tmp_path, [1])
+    store = open_store(root)
+    assert verify_checkpoint(store, "step-1").ok
+    data = sorted(n for n in store.list_names("step-1") if n.endswith(".distcp"))[0]
+    blob = bytearray(store.read_bytes(f"step-1/{data}"))
+    blob[len(blob) // 2] ^= 0xFF
+    store.write_bytes(f"step-1/{data}", bytes(blob))
+    problems = [str(p) for p in verify_checkpoint(store, "step-1").problems]
+    assert problems == [f"{data}: checksum mismatch: the file's bytes changed after it was written"]
+    assert verify_checkpoint(store, "step-1", checksums=False).ok
+    store.write_bytes(f"step-1/{data}", b"short")
+    problems = [str(p) for p in verify_checkpoint(store, "step-1", checksums=False).problems]
+    assert problems[0] == (
+        f"{data}: has 5 bytes, the manifest says {len(blob)}: truncated or replaced"
+    )
+
+
+def test_conversion_outputs_publish_through_the_store(root, tmp_path):
+    _save_steps(root, tmp_path, [1])
+    store = open_store(root)
+    to_torch(store.location("step-1"), store.location("model.pth"))
+    assert store.exists("model.pth") and not any(".tmp" in n for n in store.list_names())
+    from_torch(store.location("model.pth"), store.location("back"))
+    assert verify_checkpoint(store, "back").ok
+    with pytest.raises(FileExistsError, match="--force"):
+        to_torch(store.location("step-1"), store.location("model.pth"))
+
+
+def test_hf_last_save_publishes_like_any_step(root, tmp_path):
+    model = _model()
+    args = flavors("llama3")["debugmodel"]
+    config = CheckpointConfig(
+        enable=True, folder=root, interval=1, last_save_in_hf=True, keep_latest_k=0
+    )
+    hf = HFModel("llama3", replace(args, n_layers=1, max_seq_len=16))
+    with CheckpointManager(config, tmp_path, model, hf_model=hf) as mgr:
+        mgr.save(1)
+        mgr.save(2, last_step=True)
+    store = open_store(root)
+    assert store.published_steps() == [1, 2]
+    names = set(store.list_names("step-2"))
+    assert {"config.json", MANIFEST} <= names and names & {
+        "model.safetensors",
+        "model.safetensors.index.json",
+    }
+    assert not any(n.endswith(".staging") or n.startswith(".tmp") for n in store.list_names())
+    assert verify_checkpoint(store, "step-2").ok
+
+
+def test_a_slow_delete_does_not_hold_up_a_save(tmp_path, monkeypatch):
+    """Retention runs in the background: a synchronous save returns once its step is
+    published, whatever the deletion of old steps costs, and deletes nothing before."""
+    from dcpkit.storage.local import LocalStore
+
+    release = threading.Event()
+    real_delete = LocalStore.delete
+
+    def slow_delete(self, name):
+        release.wait(timeout=60)
+        real_delete(self, name)
+
+    monkeypatch.setattr(LocalStore, "delete", slow_delete)
+    root = str(tmp_path / "checkpoint")
+    model = _model()
+    mgr = _manager(root, model, tmp_path, keep_latest_k=2)
+    for step in (1, 2, 3):
+        assert mgr.save(step)  # step 3's save returns with step 1's deletion still blocked
+    assert open_store(root).published_steps() == [1, 2, 3]
+    release.set()
+    mgr.wait()
+    assert open_store(root).published_steps() == [2, 3]
+    mgr.close()
