@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint fuzz venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -19,6 +19,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+fuzz: $(STAMP)
+	$(PY) benchmarks/fuzz.py --mutants 5000 --seed 1
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

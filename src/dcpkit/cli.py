@@ -36,7 +36,7 @@ def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
 
     from dcpkit.tools.inspect import format_inspect, inspect_path
 
-    info = inspect_path(args.path)
+    info = inspect_path(args.path, trust_pickle=args.trust_pickle)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -55,7 +55,9 @@ def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_diff(args: argparse.Namespace, rest: list[str]) -> int:
     from dcpkit.tools.diff import diff_paths
 
-    result = diff_paths(args.a, args.b, family=args.model, budget=_budget(args))
+    result = diff_paths(
+        args.a, args.b, family=args.model, budget=_budget(args), trust_pickle=args.trust_pickle
+    )
     for note in result.notes:
         print(f"note: {note}")
     for name in result.only_a:
@@ -121,7 +123,10 @@ def _cmd_to_torch(args: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_from_torch(args: argparse.Namespace, rest: list[str]) -> int:
     from dcpkit.convert.torch_save import from_torch
 
-    _report(from_torch(args.pth, args.ckpt, force=args.force, budget=_budget(args)), "from-torch")
+    result = from_torch(
+        args.pth, args.ckpt, force=args.force, budget=_budget(args), trust_pickle=args.trust_pickle
+    )
+    _report(result, "from-torch")
     return 0
 
 
@@ -206,6 +211,15 @@ def _add_dtype(p: argparse.ArgumentParser, whose: str) -> None:
     )
 
 
+def _add_trust_pickle(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="let a torch.save file name Python objects other than tensors and plain values: "
+        "their code runs, so only for a file you wrote yourself",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dcpkit",
@@ -240,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("pth", help="a torch.save file holding a dict of tensors")
     p.add_argument("ckpt", help="the DCP checkpoint folder to write")
     _add_common_convert(p)
+    _add_trust_pickle(p)
     p.set_defaults(func=_cmd_from_torch, passthrough=False)
 
     from dcpkit.convert.adapters import known_families
@@ -280,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output (stable)")
     p.add_argument("--all", action="store_true", help="list every tensor")
+    _add_trust_pickle(p)
     p.set_defaults(func=_cmd_inspect, passthrough=False)
 
     p = sub.add_parser("verify", help="recompute checksums and check structure; exit 1 if bad")
@@ -291,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--atol", type=float, default=0.0, help="tolerated max abs difference")
+    _add_trust_pickle(p)
     p.add_argument(
         "--model",
         default="llama3",
@@ -345,6 +362,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"dcpkit {args.command}: error: {_describe(e)}", file=sys.stderr)
+        return 2
+    except BaseException as e:  # torch.distributed.checkpoint wraps failures in a BaseException
+        from dcpkit.errors import first_failure
+
+        inner = first_failure(e)
+        if args.debug or inner is e:
+            raise
+        print(f"dcpkit {args.command}: error: {_describe(inner)}", file=sys.stderr)  # type: ignore[arg-type]
         return 2
 
 

@@ -14,6 +14,7 @@ from dcpkit.formats.sources import DCP, HF, detect_kind
 from dcpkit.formats.structure import dcp_problems, hf_problems, torch_file_problems
 from dcpkit.layout import MANIFEST
 from dcpkit.manifest import CHECKSUM_ALGORITHM, Problem
+from dcpkit.safe_pickle import UnsafeCheckpoint, check_file_name
 
 
 @dataclass
@@ -104,6 +105,14 @@ def check_files(
     """Sizes and checksums of the manifest's files (``names``: only these files' checksums)."""
     problems = []
     for name, expected in manifest["files"].items():
+        try:
+            check_file_name(name, MANIFEST)
+        except UnsafeCheckpoint:
+            problems.append(Problem(MANIFEST, f"names {name!r}, outside the checkpoint folder"))
+            continue
+        if not isinstance(expected, dict):
+            problems.append(Problem(MANIFEST, f"has no size and checksum for {name}"))
+            continue
         path = f"{folder}/{name}" if folder else name
         st = store.stat(path)
         if st is None or st.is_dir:

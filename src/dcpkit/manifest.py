@@ -18,7 +18,9 @@ import xxhash
 
 from dcpkit.layout import MANIFEST, MODEL
 
-FORMAT = "dcpkit-checkpoint/1"
+FORMAT = "dcpkit-checkpoint/2"
+"""2: RNG state as tensors and plain values (1: a pickled blob, still read)."""
+KNOWN_FORMATS = ("dcpkit-checkpoint/1", FORMAT)
 CHECKSUM_ALGORITHM = "xxh3_64"
 SEAL = "manifest_xxh3_64"
 CHUNK = 8 << 20
@@ -84,16 +86,45 @@ def sealed_bytes(manifest: dict[str, Any]) -> bytes:
 
 
 def parse_manifest(data: bytes) -> tuple[dict[str, Any] | None, list[Problem]]:
-    """The manifest in ``data`` and what is wrong with it (None when it cannot be used)."""
+    """The manifest in ``data`` and what is wrong with it (None when it cannot be used). Strict:
+    a duplicate key, a missing seal or a seal that does not match is a problem."""
     try:
-        manifest = json.loads(data)
+        manifest = json.loads(data, object_pairs_hook=_no_duplicates)
     except (ValueError, UnicodeDecodeError) as e:
         return None, [Problem(MANIFEST, f"cannot be parsed ({e}): the manifest is corrupt")]
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         return None, [Problem(MANIFEST, "is not a dcpkit manifest (no files table)")]
+    unknown = format_problem(manifest)
+    if unknown is not None:
+        return manifest, [unknown]
     seal = manifest.get(SEAL)
-    if seal is not None and seal != _seal(manifest):
+    if seal is None:
+        return manifest, [Problem(MANIFEST, f"has no {SEAL}: it was altered")]
+    if seal != _seal(manifest):
         return manifest, [
             Problem(MANIFEST, "was altered: its content does not match its own checksum")
         ]
     return manifest, []
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def format_problem(manifest: dict[str, Any]) -> Problem | None:
+    """A manifest of a format this dcpkit does not know: written by a newer one."""
+    fmt = manifest.get("format")
+    if fmt in KNOWN_FORMATS:
+        return None
+    from dcpkit import __version__
+
+    return Problem(
+        MANIFEST,
+        f"has format {fmt!r}, which dcpkit {__version__} does not know (it reads "
+        f"{', '.join(KNOWN_FORMATS)}): it was written by a newer dcpkit; upgrade to load it",
+    )

@@ -8,6 +8,7 @@ when complete (and verified, with ``verify=True``).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +114,7 @@ def write_hf_folder(
     keys = [k for k in src.tensors if is_model_key(k)]
     if not keys:
         raise ConversionError(f"{name or src.path} holds no model parameters")
+    src.check(keys)
     plan = adapter.plan_to_hf({k: src.shape(k) for k in keys}, args, flavor, name or str(src.path))
     out_dtype = {s: dtype or src.dtype(s) for s, _, _ in plan.pairs}
     result = ConversionResult(str(dest), dropped=plan.dropped, flavor=flavor)
@@ -171,7 +173,7 @@ def from_hf(
     with open_checkpoint(hf_dir, storage_options) as view:
         src = SafetensorsFolder(view.path, view.opener)
         try:
-            args, flavor = import_args(adapter, src.config(), flavor, str(hf_dir))
+            args, flavor = import_args(adapter, src.config(), flavor, str(hf_dir), src)
             shapes = {k: src.shape(k) for k in src.names()}
             plan = adapter.plan_from_hf(shapes, args, flavor, str(hf_dir))
             sources = {canon: (hf, tf) for hf, canon, tf in plan.pairs}
@@ -216,13 +218,15 @@ def from_hf(
     return result
 
 
-def import_args(adapter: ModelAdapter, config: dict | None, flavor: str | None, name: str):  # type: ignore[no-untyped-def]
+def import_args(  # type: ignore[no-untyped-def]
+    adapter: ModelAdapter, config: dict | None, flavor: str | None, name: str, src: Any = None
+):
     """The model args of a Hugging Face folder: the flavor named (checked against its
-    ``config.json``), else its ``config.json``."""
+    ``config.json``), else its ``config.json`` (checked against the bytes the folder holds)."""
     if flavor is not None:
         args = adapter.resolve_flavor(flavor)
         if config is not None:
-            theirs = adapter.args_from_hf_config(config)
+            theirs = _plausible(adapter, config, name, src)
             if adapter.expected_shapes(theirs) != adapter.expected_shapes(args):
                 raise ConversionError(
                     f"{name}/config.json does not describe {adapter.family} flavor {flavor} (its "
@@ -230,6 +234,35 @@ def import_args(adapter: ModelAdapter, config: dict | None, flavor: str | None, 
                 )
         return args, flavor
     if config is not None:
-        args = adapter.args_from_hf_config(config)
+        args = _plausible(adapter, config, name, src)
         return args, adapter.flavor_name(args) or "custom (from config.json)"
     raise ConversionError(f"{name} has no config.json; pass --flavor")
+
+
+def _plausible(adapter: ModelAdapter, config: Any, name: str, src: Any) -> Any:
+    """Model args from ``config.json``, refused when they describe more than the folder holds
+    (a hostile or wrong config would otherwise make the checks themselves run away)."""
+    if not isinstance(config, dict):
+        raise ConversionError(f"{name}/config.json is not a JSON object")
+    try:
+        args = adapter.args_from_hf_config(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConversionError(
+            f"{name}/config.json cannot be read as {adapter.family}: {e}"
+        ) from None
+    if src is None:
+        return args
+    held = len(src.names())
+    if not 0 < int(getattr(args, "n_layers", 1)) <= held:
+        raise ConversionError(
+            f"{name}/config.json describes {getattr(args, 'n_layers', '?')} layers, but the "
+            f"folder holds {held} tensors: the config does not belong to these weights"
+        )
+    need = sum(math.prod(shape) for shape in adapter.expected_shapes(args).values())
+    have = sum(src.nbytes(k) for k in src.names())
+    if need > have:
+        raise ConversionError(
+            f"{name}/config.json describes {need:,} parameters, but the folder holds "
+            f"{have:,} bytes of weights: the config does not belong to these weights"
+        )
+    return args

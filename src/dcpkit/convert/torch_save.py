@@ -44,6 +44,7 @@ def to_torch(
         DCPCheckpoint(view.path, view.opener) as src,
     ):
         keys = [k for k in src.tensors if not model_only or is_model_key(k)]
+        src.check(keys)
         objects = [] if model_only else list(src.objects)
         if not keys and not objects:
             raise ValueError(f"{ckpt} holds nothing to convert")
@@ -75,12 +76,15 @@ def from_torch(
     force: bool = False,
     budget: int = DEFAULT_BUDGET,
     storage_options: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
 ) -> ConversionResult:
-    """Write a ``torch.save`` file (a dict of tensors and plain values) as a DCP checkpoint."""
+    """Write a ``torch.save`` file (a dict of tensors and plain values) as a DCP checkpoint.
+    ``trust_pickle``: the file may name other Python objects (their code runs: only for a file
+    you wrote yourself)."""
     start = time.perf_counter()
     with open_checkpoint(pth, storage_options) as view, _open_file(view) as f:
         try:
-            archive = TorchSaveFile(f)
+            archive = TorchSaveFile(f, trust_pickle=trust_pickle)
         except UnsupportedContent:
             raise
         except ValueError as e:

@@ -9,18 +9,24 @@ family's codec.
 from __future__ import annotations
 
 import logging
+import math
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from dcpkit import dist
 from dcpkit.engine.states import ModelState, Stateful, restore_rng, rng_key, rng_source_rank
-from dcpkit.errors import CheckpointError
+from dcpkit.errors import CheckpointError, first_failure
 from dcpkit.layout import HF_FILES, METADATA, MODEL, RNG
+from dcpkit.manifest import format_problem
+from dcpkit.safe_pickle import UnsafeCheckpoint, safe_load_planner
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +60,16 @@ def restore(
     if names & HF_FILES and METADATA not in names:
         load_hf(store, name, model, hf)
         return [MODEL]
+    manifest, _ = store.read_manifest(name)
+    unknown = format_problem(manifest) if manifest is not None else None
+    if unknown is not None:
+        raise CheckpointError(f"{location}: {unknown}")
     try:
         metadata = store.dcp_reader(name).read_metadata()
     except FileNotFoundError:
         raise CheckpointError(f"{location} is not a checkpoint: it has no {METADATA}") from None
+    except UnsafeCheckpoint as e:
+        raise CheckpointError(str(e)) from None
     saved = set(metadata.state_dict_metadata)
 
     def has_group(group: str) -> bool:
@@ -90,16 +102,29 @@ def restore(
     if not model_only and rng and RNG not in excluded:
         rng_plan = _plan_rng(saved, location)
         if rng_plan is not None:
-            template[RNG] = {rng_key(rng_plan[0]): b""}
-    with dist.quiet_single_process():
-        dcp.load(template, storage_reader=store.dcp_reader(name), no_dist=not dist.is_dist())
+            template[RNG] = {rng_key(rng_plan[0]): _rng_template(metadata, rng_plan[0], location)}
+    try:
+        with dist.quiet_single_process():
+            dcp.load(
+                template,
+                storage_reader=store.dcp_reader(name),
+                planner=safe_load_planner(),
+                no_dist=not dist.is_dist(),
+            )
+    except CheckpointException as e:  # a BaseException, wrapping what a rank raised
+        raise CheckpointError(f"{location}: {first_failure(e)}") from None
+    except UnsafeCheckpoint as e:
+        raise CheckpointError(f"{location}: {e}") from None
     model.load_state_dict({k: template[k] for k in model_sd})
     for group in pieces:
         states[group].load_state_dict(template[group])
     restored = [MODEL, *pieces]
     if rng_plan is not None:
         source, offset = rng_plan
-        restore_rng(template[RNG][rng_key(source)], reseed_offset=offset)
+        try:
+            restore_rng(template[RNG][rng_key(source)], reseed_offset=offset, where=location)
+        except UnsafeCheckpoint as e:
+            raise CheckpointError(str(e)) from None
         restored.append(RNG)
     return restored
 
@@ -124,8 +149,32 @@ def load_hf(store: Any, name: str, model: ModelState, hf: HFCodec | None) -> Non
                 set_model_state_dict(part, {ours: tensor}, options=options)
 
 
+_RNG_KEY = re.compile(rf"^{RNG}\.rank_(\d+)(\.|$)")
+_RNG_FIELD_MAX = 1 << 20  # an RNG state is a few KiB; a larger one is not an RNG state
+
+
+def _rng_template(metadata: Any, rank: int, location: str) -> Any:
+    """What to load saved rank ``rank``'s RNG state into: its fields (tensors of the saved
+    shapes), or the single value of dcpkit 0.1's pickled blob."""
+    prefix = f"{RNG}.{rng_key(rank)}"
+    fields: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key == prefix:
+            return b""  # dcpkit 0.1: one pickled blob
+        if not key.startswith(prefix + "."):
+            continue
+        if isinstance(md, TensorStorageMetadata):
+            nbytes = md.properties.dtype.itemsize * math.prod(int(s) for s in md.size)
+            if min(md.size, default=0) < 0 or nbytes > _RNG_FIELD_MAX:
+                raise CheckpointError(f"{location}: {key} is not an RNG state ({list(md.size)})")
+            fields[key[len(prefix) + 1 :]] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            fields[key[len(prefix) + 1 :]] = None
+    return fields
+
+
 def _plan_rng(saved: set[str], location: str) -> tuple[int, int] | None:
-    saved_ranks = sorted(int(k.split("_")[-1]) for k in saved if k.startswith(f"{RNG}.rank_"))
+    saved_ranks = sorted({int(m.group(1)) for k in saved if (m := _RNG_KEY.match(k))})
     if not saved_ranks:
         logger.warning("checkpoint: %s holds no RNG state; RNG streams start fresh", location)
         return None

@@ -9,7 +9,6 @@ writes each rank's shards and reshards them on load.
 from __future__ import annotations
 
 import logging
-import pickle
 import random
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -26,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dcpkit.layout import DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, RNG
+from dcpkit.safe_pickle import load_legacy_rng
 
 logger = logging.getLogger(__name__)
 
@@ -132,27 +132,54 @@ def collect_states(
     return out
 
 
-def capture_rng() -> bytes:
-    """This process's RNG states: Python, NumPy, torch CPU and every CUDA device present."""
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states as tensors and plain values (no pickle): Python's Mersenne
+    Twister, NumPy's global generator, torch's CPU generator and every CUDA device's."""
+    version, words, gauss = random.getstate()
+    _kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python_words": torch.tensor(words, dtype=torch.int64),
+        "python_version": int(version),
+        "python_gauss": gauss,
+        "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        "numpy_pos": int(pos),
+        "numpy_has_gauss": int(has_gauss),
+        "numpy_gauss": float(cached),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    return pickle.dumps(state)
+    if torch.cuda.is_available():
+        for i, cuda in enumerate(torch.cuda.get_rng_state_all()):
+            state[f"cuda_{i}"] = cuda
+    return state
 
 
-def restore_rng(blob: bytes, reseed_offset: int = 0) -> None:
-    """Restore what ``capture_rng`` captured; a non-zero ``reseed_offset`` then forks every
-    generator into a new, reproducible stream (used for ranks a checkpoint did not have)."""
-    state = pickle.loads(blob)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        saved = state["cuda"][: torch.cuda.device_count()]
-        torch.cuda.set_rng_state_all(saved)
+def restore_rng(state: dict[str, Any] | bytes, reseed_offset: int = 0, where: str = "") -> None:
+    """Restore what ``capture_rng`` captured (or dcpkit 0.1's pickled RNG blob, read with an
+    allow-list); a non-zero ``reseed_offset`` then forks every generator into a new,
+    reproducible stream (used for ranks a checkpoint did not have)."""
+    if isinstance(state, bytes | bytearray):
+        legacy = load_legacy_rng(bytes(state), where or "the checkpoint's RNG state")
+        random.setstate(legacy["python"])
+        np.random.set_state(legacy["numpy"])
+        torch.set_rng_state(legacy["torch"])
+        cuda = list(legacy.get("cuda") or [])
+    else:
+        words = tuple(int(w) for w in state["python_words"].tolist())
+        random.setstate((int(state["python_version"]), words, state["python_gauss"]))
+        keys = state["numpy_keys"].numpy().astype(np.uint32)
+        np.random.set_state(
+            (
+                "MT19937",
+                keys,
+                int(state["numpy_pos"]),
+                int(state["numpy_has_gauss"]),
+                float(state["numpy_gauss"]),
+            )
+        )
+        torch.set_rng_state(state["torch"].to(torch.uint8))
+        cuda = [state[k] for k in sorted(k for k in state if k.startswith("cuda_"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
     if reseed_offset:
         seed = (random.getrandbits(63) + reseed_offset * 0x9E3779B97F4A7C15) % (2**63)
         random.seed(seed)

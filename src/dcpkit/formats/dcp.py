@@ -12,13 +12,16 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import math
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -29,8 +32,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dcpkit.dist import quiet_single_process
-from dcpkit.formats.torchfile import TorchSaveFile
+from dcpkit.errors import first_failure
+from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.layout import METADATA
+from dcpkit.safe_pickle import UnsafeCheckpoint, check_inside, load_metadata, load_value
 
 Opener = Callable[[Path], Any]
 """Opens a checkpoint file for binary reads (seek, read, readinto); the default is ``open``. A
@@ -63,14 +68,10 @@ class DCPCheckpoint:
                 "or a folder that holds checkpoints: pass one step-N folder)"
             )
         try:
-            self.metadata = FileSystemReader(str(self.path)).read_metadata()
-        except PermissionError:
-            raise
-        except Exception as e:  # a truncated or foreign .metadata fails inside pickle
-            raise NotACheckpoint(
-                f"{self.path / METADATA} cannot be read ({type(e).__name__}: {e}); the file is "
-                "truncated or corrupt: restore it, or use an earlier step"
-            ) from None
+            with open(self.path / METADATA, "rb") as f:
+                self.metadata = load_metadata(f, str(self.path / METADATA))
+        except UnsafeCheckpoint as e:
+            raise NotACheckpoint(str(e)) from None
         self.tensors: dict[str, TensorStorageMetadata] = {}
         self.objects: list[str] = []
         for fqn, md in self.metadata.state_dict_metadata.items():
@@ -79,6 +80,7 @@ class DCPCheckpoint:
             elif isinstance(md, BytesStorageMetadata):
                 self.objects.append(fqn)
         self._files: dict[str, Any] = {}
+        self._checked: set[str] = set()
 
     # -- description
 
@@ -111,6 +113,7 @@ class DCPCheckpoint:
                 raise NotACheckpoint(
                     f"{self.path} is incomplete: {relative}, named in {METADATA}, is missing"
                 )
+            check_inside(self.path, full, str(self.path))
             f = self._files[relative] = self._open(full)
         return f
 
@@ -123,17 +126,78 @@ class DCPCheckpoint:
             )
         return self._file(info.relative_path), info.offset, info.length
 
+    def _check_claims(self, fqn: str) -> None:
+        """What ``.metadata`` says of a tensor must fit the bytes really there: no tensor larger
+        than its stored chunks, no chunk past the end of its file (a hostile file would
+        otherwise make a read allocate anything it names)."""
+        md = self.tensors[fqn]
+        where = self.path / METADATA
+        if any(int(s) < 0 for s in md.size):
+            raise NotACheckpoint(f"{where}: {fqn} has a negative size {list(md.size)}")
+        stored = 0
+        for chunk in md.chunks:
+            info = self.metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
+            if info is None:
+                raise NotACheckpoint(
+                    f"{where}: {fqn}: chunk at {list(chunk.offsets)} has no storage"
+                )
+            path = self.path / info.relative_path
+            size = path.stat().st_size if path.is_file() else 0
+            if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+                raise NotACheckpoint(
+                    f"{path} is {size} bytes, too short for {fqn} (ends at byte "
+                    f"{info.offset + info.length}): truncated or corrupt"
+                )
+            stored += info.length
+        total = md.properties.dtype.itemsize * math.prod(int(s) for s in md.size)
+        if total > stored:
+            raise NotACheckpoint(
+                f"{where}: {fqn} claims {total} bytes ({list(md.size)}) but its chunks hold "
+                f"{stored}: refused (a corrupt or hostile checkpoint)"
+            )
+
+    def check(self, fqns: list[str] | None = None) -> None:
+        """Refuse, before anything is allocated or written, tensors whose metadata claims more
+        than the files hold (every tensor, or ``fqns``)."""
+        for fqn in self.tensors if fqns is None else fqns:
+            if fqn not in self._checked:
+                self._check_claims(fqn)
+                self._checked.add(fqn)
+
+    def _chunk(self, fqn: str, chunk: Any) -> tuple[TorchSaveFile, TensorRef]:
+        """The stored chunk of ``fqn`` at ``chunk.offsets``: a tensor of the dtype and shape the
+        metadata gives it, or an error naming the file."""
+        f, start, length = self._storage(fqn, chunk.offsets)
+        try:
+            archive = TorchSaveFile(f, start, length)
+        except (ValueError, zipfile.BadZipFile) as e:
+            raise NotACheckpoint(
+                f"{self.path}: the stored bytes of {fqn} are corrupt ({e})"
+            ) from None
+        ref = archive.obj
+        md = self.tensors[fqn]
+        if (
+            not isinstance(ref, TensorRef)
+            or ref.dtype != md.properties.dtype
+            or tuple(ref.shape) != tuple(chunk.sizes)
+        ):
+            raise NotACheckpoint(
+                f"{self.path}: the stored bytes of {fqn} are not the {list(chunk.sizes)} "
+                f"{md.properties.dtype} tensor {METADATA} describes: the file is corrupt"
+            )
+        return archive, ref
+
     def read(self, fqn: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The whole tensor, or rows ``[start, stop)`` of its first dimension."""
+        self.check([fqn])
         md = self.tensors[fqn]
         shape = list(md.size)
         if rows is not None:
             shape[0] = rows[1] - rows[0]
         if len(md.chunks) == 1 and list(md.chunks[0].sizes) == list(md.size):
             # One chunk holds the whole tensor: return what is read, without a second copy.
-            f, start, length = self._storage(fqn, md.chunks[0].offsets)
-            archive = TorchSaveFile(f, start, length)
-            return archive.read(archive.obj, rows).view(shape)
+            archive, ref = self._chunk(fqn, md.chunks[0])
+            return archive.read(ref, rows).view(shape)
         out = torch.empty(shape, dtype=md.properties.dtype)
         for chunk in md.chunks:
             offsets, sizes = list(chunk.offsets), list(chunk.sizes)
@@ -144,9 +208,8 @@ class DCPCheckpoint:
                     continue
                 local_rows = (lo - offsets[0], hi - offsets[0])
                 offsets[0], sizes[0] = lo - rows[0], hi - lo
-            f, start, length = self._storage(fqn, chunk.offsets)
-            archive = TorchSaveFile(f, start, length)
-            piece = archive.read(archive.obj, local_rows)
+            archive, ref = self._chunk(fqn, chunk)
+            piece = archive.read(ref, local_rows)
             index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
             out[index] = piece.view(sizes) if piece.dim() != len(sizes) else piece
         return out
@@ -155,7 +218,10 @@ class DCPCheckpoint:
         """A non-tensor value (stored by DCP as a ``torch.save`` of the object)."""
         f, start, length = self._storage(fqn, None)
         f.seek(start)
-        return torch.load(io.BytesIO(f.read(length)), weights_only=False)
+        data = f.read(length)
+        if len(data) != length:
+            raise NotACheckpoint(f"{self.path} is truncated: the value {fqn} is cut short")
+        return load_value(data, f"{self.path}: the value {fqn}")
 
     def close(self) -> None:
         for f in self._files.values():
@@ -264,7 +330,10 @@ def write_dcp(
         # One file per tensor chunk: DCP's writer keeps every tensor of a file referenced until
         # that file is done, so one file per rank would hold the whole model in memory.
         writer = FileSystemWriter(str(path), single_file_per_rank=False)
-        dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+        try:
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as e:  # a BaseException wrapping what was raised inside
+            raise first_failure(e) from None
 
 
 def meta_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -7,6 +7,7 @@ Files are the standard format (``safetensors.safe_open`` and ``transformers`` re
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -18,6 +19,7 @@ import torch
 
 from dcpkit.formats.base import TensorTable
 from dcpkit.layout import HF_INDEX, HF_SINGLE
+from dcpkit.safe_pickle import check_file_name, check_inside
 
 _DTYPE_CODES = {
     torch.float64: "F64",
@@ -53,28 +55,78 @@ class _Stored:
     dtype: torch.dtype
 
 
+HEADER_MAX = 100 << 20
+"""The largest safetensors header read (the format's own limit)."""
+
+
 def read_header(path: Path) -> tuple[dict, int]:
-    """(header dict, offset of the data buffer) of a safetensors file."""
+    """(header dict, offset of the data buffer) of a safetensors file, checked: a JSON object
+    whose every tensor has a known dtype, a non-negative shape, and offsets inside the file that
+    match that shape and do not overlap."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise ValueError(f"{path} is not a safetensors file (too short)")
         (n,) = struct.unpack("<Q", raw)
-        size = path.stat().st_size
-        if n > min(size - 8, 100 << 20):
+        if n > min(size - 8, HEADER_MAX):
             raise ValueError(f"{path} is not a safetensors file (header length {n})")
         try:
             header = json.loads(f.read(n))
-        except ValueError as e:
+        except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} has a corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} has a corrupt safetensors header: not a JSON object")
     data_start = 8 + n
+    spans = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        end = info["data_offsets"][1]
+        begin, end = _checked_entry(path, name, info)
         if data_start + end > size:
             raise ValueError(f"{path} is truncated: {name} ends past the end of the file")
+        spans.append((begin, end, name))
+    spans.sort()
+    for (_, end, name), (begin, _, other) in itertools.pairwise(spans):
+        if begin < end:
+            raise ValueError(f"{path} has a corrupt header: {name} and {other} overlap")
     return header, data_start
+
+
+def _checked_entry(path: Path, name: str, info: Any) -> tuple[int, int]:
+    """The data offsets of one header entry, after checking that they fit its shape."""
+    try:
+        dtype = dtype_from_code(info["dtype"])
+        shape = [int(s) for s in info["shape"]]
+        begin, end = (int(x) for x in info["data_offsets"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path} has a corrupt header entry for {name!r}: {e}") from None
+    if min(shape, default=0) < 0 or begin < 0 or end < begin:
+        raise ValueError(f"{path} has a corrupt header entry for {name!r}: {info}")
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    if end - begin != nbytes:
+        raise ValueError(
+            f"{path}: {name} holds {end - begin} bytes, its shape {shape} needs {nbytes}"
+        )
+    return begin, end
+
+
+def read_index(path: Path) -> list[str]:
+    """The shard files a Hugging Face index names: plain names in its own folder only."""
+    if path.stat().st_size > HEADER_MAX:
+        raise ValueError(f"{path} is not a valid index (too large)")
+    try:
+        weight_map = json.loads(path.read_bytes())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a valid index: {e}") from None
+    for name in names:
+        check_file_name(name, str(path))
+        if not name.endswith(".safetensors"):
+            raise ValueError(f"{path} names {name!r}, which is not a .safetensors file")
+    return names
 
 
 class SafetensorsFolder(TensorTable):
@@ -92,12 +144,7 @@ class SafetensorsFolder(TensorTable):
             files = {self.path.name: self.path}
             self.path = self.path.parent
         elif (self.path / HF_INDEX).is_file():
-            try:
-                index = json.loads((self.path / HF_INDEX).read_text())
-                names = sorted(set(index["weight_map"].values()))
-            except (ValueError, KeyError) as e:
-                raise ValueError(f"{self.path / HF_INDEX} is not a valid index: {e}") from None
-            files = {n: self.path / n for n in names}
+            files = {n: self.path / n for n in read_index(self.path / HF_INDEX)}
         elif (self.path / HF_SINGLE).is_file():
             files = {HF_SINGLE: self.path / HF_SINGLE}
         else:
@@ -114,6 +161,7 @@ class SafetensorsFolder(TensorTable):
         for file in files.values():
             if not file.is_file():
                 raise ValueError(f"{file} is named in {HF_INDEX} but missing")
+            check_inside(self.path, file, str(self.path))
             header, data_start = read_header(file)
             for key, info in header.items():
                 if key == "__metadata__":

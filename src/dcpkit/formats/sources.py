@@ -36,11 +36,11 @@ class TorchSource(TensorTable):
 
     kind = TORCH
 
-    def __init__(self, path: Path, opener: Any = None) -> None:
+    def __init__(self, path: Path, opener: Any = None, trust_pickle: bool = False) -> None:
         self.path = path
         self._f = opener(path) if opener is not None else open(path, "rb")  # noqa: SIM115
         try:
-            self.archive = TorchSaveFile(self._f)
+            self.archive = TorchSaveFile(self._f, trust_pickle=trust_pickle)
         except Exception:
             self._f.close()
             raise
@@ -80,7 +80,7 @@ def detect_kind(path: Path) -> str:
     return TORCH
 
 
-def open_source(path: str | Path, opener: Any = None) -> Any:
+def open_source(path: str | Path, opener: Any = None, trust_pickle: bool = False) -> Any:
     """Open ``path`` as a ``TensorSource`` of the right kind (``opener``: how its files' bytes
     are read, for a metadata-only copy of a remote checkpoint)."""
     p = Path(path)
@@ -90,6 +90,6 @@ def open_source(path: str | Path, opener: Any = None) -> Any:
     if kind == HF:
         return HFSource(p, opener)
     try:
-        return TorchSource(p, opener)
+        return TorchSource(p, opener, trust_pickle)
     except ValueError as e:
         raise NotACheckpoint(f"{p} is not a checkpoint: {e}") from None

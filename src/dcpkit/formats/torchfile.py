@@ -122,9 +122,10 @@ def _rebuild_tensor_ref(storage, storage_offset, size, stride, *_rest):  # type:
 
 
 class _RefUnpickler(pickle.Unpickler):
-    def __init__(self, f: BinaryIO, prefix: str) -> None:
+    def __init__(self, f: BinaryIO, prefix: str, trust_pickle: bool = False) -> None:
         super().__init__(f)
         self.prefix = prefix
+        self.trust_pickle = trust_pickle
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
@@ -135,9 +136,12 @@ class _RefUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) in _SAFE_GLOBALS:
             return _SAFE_GLOBALS[(module, name)]
+        if self.trust_pickle:  # the user wrote the file and says so: its code may run
+            return super().find_class(module, name)
         raise UnsupportedContent(
             f"the file refers to {module}.{name}; only tensors and plain Python values "
-            "(dicts, lists, numbers, strings, bytes) can be read without running its code"
+            "(dicts, lists, numbers, strings, bytes) can be read without running its code "
+            "(pass --trust-pickle for a file you wrote yourself)"
         )
 
     def persistent_load(self, pid: Any) -> Any:
@@ -164,7 +168,9 @@ def _local_data_offset(f: BinaryIO, base: int, info: zipfile.ZipInfo) -> int:
 class TorchSaveFile:
     """A ``torch.save`` archive opened for on-demand reads (a whole file or a window of one)."""
 
-    def __init__(self, f: BinaryIO, start: int = 0, length: int | None = None) -> None:
+    def __init__(
+        self, f: BinaryIO, start: int = 0, length: int | None = None, trust_pickle: bool = False
+    ) -> None:
         self.f = f
         self.start = start
         if length is None:
@@ -194,11 +200,17 @@ class TorchSaveFile:
             for info in self.zip.infolist()
             if info.filename.startswith(self.prefix + "data/")
         }
+        self._sizes: dict[str, int] = {}
         for info in self.zip.infolist():
-            if info.filename in self._offsets and info.compress_type != zipfile.ZIP_STORED:
+            if info.filename not in self._offsets:
+                continue
+            if info.compress_type != zipfile.ZIP_STORED:
                 raise ValueError(f"compressed record {info.filename} is not supported")
+            if self._offsets[info.filename] + info.file_size > length:
+                raise ValueError(f"record {info.filename} ends past the end of the file: truncated")
+            self._sizes[info.filename] = info.file_size
         with self.zip.open(pkl) as p:
-            self.obj = _RefUnpickler(p, self.prefix).load()
+            self.obj = _RefUnpickler(p, self.prefix, trust_pickle).load()
 
     def read(self, ref: TensorRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor (a fresh CPU tensor), or only rows ``[start, stop)`` of its first dim."""
@@ -226,6 +238,15 @@ class TorchSaveFile:
         return (view if rows is None else view[rows[0] : rows[1]]).clone()
 
     def _read_bytes(self, record: str, offset: int, length: int) -> bytearray:
+        size = self._sizes.get(record)
+        if size is None:
+            raise ValueError(f"the archive has no record {record}")
+        if offset < 0 or length < 0 or offset + length > size:
+            # Never allocate what the file does not hold (a corrupt or hostile pickle).
+            raise ValueError(
+                f"a tensor claims bytes {offset} to {offset + length} of record {record}, which "
+                f"holds {size}: the file is corrupt"
+            )
         self.f.seek(self.start + self._offsets[record] + offset)
         buf = bytearray(length)
         view = memoryview(buf)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any, BinaryIO
 
 from dcpkit.layout import COMMIT_MARKER, MANIFEST, STAGING_SUFFIX, parse_step
 from dcpkit.manifest import CHUNK, sealed_bytes
+from dcpkit.safe_pickle import safe_reader
 from dcpkit.storage.base import (
     CheckpointStore,
     CheckpointView,
@@ -64,10 +66,13 @@ class FsspecStore(CheckpointStore):
         try:
             self.fs, self.path = fsspec.core.url_to_fs(self.root, **self.storage_options)
         except (ImportError, ValueError) as e:
-            raise StoreError(f"{self.root}: {e}") from None
+            raise StoreError(scrub(f"{self.root}: {e}", self.storage_options)) from None
 
     def __reduce__(self) -> Any:
         return (FsspecStore, (self.root, self.storage_options))
+
+    def _explain(self, url: str, e: Exception) -> str:
+        return scrub(_explain(url, e), self.storage_options)
 
     def _p(self, name: str = "") -> str:
         return f"{self.path}/{name}" if name else self.path
@@ -83,7 +88,7 @@ class FsspecStore(CheckpointStore):
         except FileNotFoundError:
             return []
         except Exception as e:
-            raise StoreError(_explain(self.location(folder), e)) from None
+            raise StoreError(self._explain(self.location(folder), e)) from None
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def stat(self, name: str) -> FileStat | None:
@@ -93,7 +98,7 @@ class FsspecStore(CheckpointStore):
         except FileNotFoundError:
             return None
         except Exception as e:
-            raise StoreError(_explain(self.location(name), e)) from None
+            raise StoreError(self._explain(self.location(name), e)) from None
         mtime = info.get("LastModified") or info.get("mtime") or info.get("created")
         if mtime is not None and hasattr(mtime, "timestamp"):
             mtime = mtime.timestamp()
@@ -123,11 +128,15 @@ class FsspecStore(CheckpointStore):
             ) from None
         except PermissionError as e:
             raise StoreError(
-                f"{self.root}: the credentials were rejected ({e}); check AWS_ACCESS_KEY_ID / "
-                "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL) or [checkpoint] storage_options"
+                scrub(
+                    f"{self.root}: the credentials were rejected ({e}); check AWS_ACCESS_KEY_ID "
+                    "/ AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL) or [checkpoint] "
+                    "storage_options",
+                    self.storage_options,
+                )
             ) from None
         except Exception as e:  # botocore/s3fs errors vary by version
-            raise StoreError(_explain(self.root, e)) from None
+            raise StoreError(self._explain(self.root, e)) from None
 
     def begin(
         self, name: str, step: int | None = None, kill_pid: int | None = None, is_dir: bool = True
@@ -135,9 +144,7 @@ class FsspecStore(CheckpointStore):
         return FsspecPending(self, name, step, kill_pid, is_dir)
 
     def dcp_reader(self, name: str) -> Any:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(self.location(name), **self.storage_options)
+        return _reader_class()(self.location(name), **self.storage_options)
 
     def is_published(self, name: str) -> bool:
         return parse_step(name) is not None and COMMIT_MARKER in self.list_names(name)
@@ -226,6 +233,14 @@ def _no_data(location: str) -> Callable[[Path], BinaryIO]:
 
 
 @functools.cache
+def _reader_class() -> type:
+    """DCP's fsspec reader, reading ``.metadata`` without running code."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return safe_reader(FsspecReader)
+
+
+@functools.cache
 def _step_writer_class() -> type:
     """DCP's fsspec writer with the ``mid_write`` crash point (defined on first use: fsspec is
     an optional dependency)."""
@@ -302,6 +317,33 @@ class FsspecPending(PendingStep):
         else:
             with self.store.view(self.name) as view:
                 yield view
+
+
+_SECRET_WORDS = ("key", "secret", "token", "password", "credential")
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
+
+
+def scrub(text: str, storage_options: dict[str, Any]) -> str:
+    """``text`` with every credential it could carry replaced: messages and logs never show
+    ``storage_options`` secrets or the AWS variables' values."""
+    secrets = [
+        v
+        for k, v in _flatten(storage_options)
+        if isinstance(v, str) and len(v) >= 4 and any(w in k.lower() for w in _SECRET_WORDS)
+    ]
+    secrets += [os.environ[k] for k in _SECRET_ENV if len(os.environ.get(k, "")) >= 4]
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def _flatten(options: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if not isinstance(options, dict):
+        return [(prefix, options)]
+    out = []
+    for k, v in options.items():
+        out += _flatten(v, f"{prefix}.{k}")
+    return out
 
 
 def _explain(url: str, e: Exception) -> str:

@@ -27,6 +27,7 @@ from dcpkit.layout import (
     parse_step,
 )
 from dcpkit.manifest import CHECKSUM_ALGORITHM, checksum_stream, sealed_bytes
+from dcpkit.safe_pickle import safe_reader
 from dcpkit.storage.base import (
     CheckpointStore,
     CheckpointView,
@@ -35,6 +36,9 @@ from dcpkit.storage.base import (
     PendingStep,
     own_files_of,
 )
+
+SafeFileSystemReader = safe_reader(FileSystemReader)
+"""DCP's file system reader, reading ``.metadata`` without running code."""
 
 
 class StepFileWriter(CrashPointWriter, FileSystemWriter):
@@ -128,7 +132,7 @@ class LocalStore(CheckpointStore):
         return LocalPending(self, name, step, kill_pid, is_dir)
 
     def dcp_reader(self, name: str) -> Any:
-        return FileSystemReader(self.location(name))
+        return SafeFileSystemReader(self.location(name))
 
     @contextlib.contextmanager
     def view(self, name: str, data: bool = True) -> Iterator[CheckpointView]:

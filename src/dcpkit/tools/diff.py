@@ -86,6 +86,7 @@ def diff_paths(
     family: str = "llama3",
     budget: int = DEFAULT_BUDGET,
     storage_options: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
 ) -> DiffResult:
     """Compare every tensor of ``a`` and ``b``, folders, files or URLs (row block by row
     block: bounded memory; a remote checkpoint is read in place)."""
@@ -94,7 +95,10 @@ def diff_paths(
         open_checkpoint(b, storage_options) as vb,
     ):
         return _diff(
-            open_source(va.path, va.opener), open_source(vb.path, vb.opener), family, budget
+            open_source(va.path, va.opener, trust_pickle),
+            open_source(vb.path, vb.opener, trust_pickle),
+            family,
+            budget,
         )
 
 

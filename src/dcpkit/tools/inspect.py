@@ -38,16 +38,18 @@ def _group(name: str) -> str:
     return "optimizer" if name.startswith("optimizer.") else "other"
 
 
-def inspect_path(path: str | Path, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def inspect_path(
+    path: str | Path, storage_options: dict[str, Any] | None = None, trust_pickle: bool = False
+) -> dict[str, Any]:
     """A description of the checkpoint at ``path``, a folder, file or URL (the JSON schema
     above). Reads metadata only: a remote checkpoint is not downloaded."""
     store, name = open_location(path, storage_options)
     with store.view(name, data=False) as view:
-        return _describe(store, name, view.path, view.location)
+        return _describe(store, name, view.path, view.location, trust_pickle)
 
 
-def _describe(store: Any, entry: str, p: Path, location: str) -> dict[str, Any]:
-    source = open_source(p)
+def _describe(store: Any, entry: str, p: Path, location: str, trust_pickle: bool) -> dict[str, Any]:
+    source = open_source(p, trust_pickle=trust_pickle)
     try:
         tensors = []
         for name in source.names():

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
@@ -184,7 +186,11 @@ class Trainer:
             seed=cfg.training.seed,
         )
         self.state = TrainState()
+        # Every generator a checkpoint holds starts from the seed, so that two identical runs
+        # write identical checkpoints (RNG included).
         torch.manual_seed(cfg.training.seed + self.rank)
+        random.seed(cfg.training.seed + self.rank)
+        np.random.seed(cfg.training.seed + self.rank)
         self.checkpoint = CheckpointManager(
             ck,
             self.dump,

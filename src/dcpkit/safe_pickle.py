@@ -1,0 +1,236 @@
+"""A checkpoint is data, never code: the pickles inside checkpoints read with an allow-list.
+
+DCP writes its ``.metadata`` with ``pickle`` and reads it back with a plain ``pickle.load``;
+its default load planner reads non-tensor values with ``torch.load(weights_only=False)``. Either
+runs whatever code a hostile file names. Everything dcpkit reads goes through this module
+instead: ``.metadata`` through an unpickler that resolves only DCP's metadata types, torch sizes,
+dtypes and layouts, paths and plain containers; non-tensor values through
+``torch.load(weights_only=True)``. Anything else is refused before the object it names is built,
+with an error naming the file and the global it asked for.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import io
+import pickle
+import re
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+_DCP_METADATA_TYPES = (
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
+)
+_MAX_NAME = 4096  # longest file name a storage entry may give
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file asks for something that would run code, or is not what it claims."""
+
+
+@functools.cache
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    import pathlib
+
+    import torch.distributed.checkpoint.metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch.distributed.checkpoint.metadata", name): getattr(md, name)
+        for name in _DCP_METADATA_TYPES
+        if hasattr(md, name)
+    }
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+            allowed[("torch", name)] = value
+    for cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath):
+        allowed[("pathlib", cls.__name__)] = cls
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    for cls in (set, frozenset, slice, complex):
+        allowed[("builtins", cls.__name__)] = cls
+    allowed[("_codecs", "encode")] = __import__("codecs").encode
+    return allowed
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only the globals in ``allowed``; anything else is refused, naming it."""
+
+    def __init__(self, f: BinaryIO, allowed: dict[tuple[str, str], Any], where: str) -> None:
+        super().__init__(f)
+        self.allowed, self.where = allowed, where
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self.allowed[(module, name)]
+        except KeyError:
+            raise UnsafeCheckpoint(
+                f"{self.where} asks to load {module}.{name}, which is not checkpoint data: "
+                "dcpkit refuses to run code from a checkpoint (it may be hostile, or written by "
+                "something other than torch.distributed.checkpoint)"
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpoint(f"{self.where} holds a persistent reference ({pid!r})")
+
+
+def load_metadata(f: BinaryIO, where: str) -> Any:
+    """DCP ``Metadata`` from an open ``.metadata`` file, without running code, checked for
+    storage entries that would read outside the checkpoint folder."""
+    try:
+        metadata = RestrictedUnpickler(f, _metadata_globals(), where).load()
+    except UnsafeCheckpoint:
+        raise
+    except Exception as e:  # truncated or foreign bytes fail inside pickle in many ways
+        raise UnsafeCheckpoint(
+            f"{where} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
+            "corrupt: restore it, or use an earlier step"
+        ) from None
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpoint(
+            f"{where} is not DCP metadata (it holds a {type(metadata).__name__})"
+        )
+    for info in (metadata.storage_data or {}).values():
+        check_file_name(getattr(info, "relative_path", None), where)
+    return metadata
+
+
+_PLAIN_NAME = re.compile(r"^[^/\\\x00]+$")
+
+
+def check_file_name(name: Any, where: str) -> str:
+    """A file name a checkpoint refers to must name a file in its own folder."""
+    if (
+        not isinstance(name, str)
+        or len(name) > _MAX_NAME
+        or not _PLAIN_NAME.match(name)
+        or name in (".", "..")
+    ):
+        raise UnsafeCheckpoint(
+            f"{where} refers to the file {name!r}, outside its own folder: refused (a hostile "
+            "or corrupt checkpoint)"
+        )
+    return name
+
+
+def check_inside(folder: Path, path: Path, where: str) -> Path:
+    """``path`` must stay in ``folder`` once symbolic links are followed."""
+    real, root = path.resolve(), folder.resolve()
+    if real != root and root not in real.parents:
+        raise UnsafeCheckpoint(
+            f"{where}: {path.name} is a link to {real}, outside the checkpoint folder: refused"
+        )
+    return path
+
+
+def load_value(data: bytes | BinaryIO, where: str) -> Any:
+    """A non-tensor value DCP stored with ``torch.save``: plain Python values and tensors only."""
+    stream = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
+    try:
+        return torch.load(stream, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpoint(
+            f"{where} is not plain data ({_refused_global(e)}); dcpkit loads only tensors and "
+            "plain Python values from a checkpoint"
+        ) from None
+    except Exception as e:  # truncated or foreign bytes
+        raise UnsafeCheckpoint(f"{where} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _refused_global(e: Exception) -> str:
+    """What torch's weights-only unpickler refused, from its long message."""
+    found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", str(e))
+    if found:
+        return f"it asks to load {found.group(1)}"
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(e).__name__
+
+
+def _storage_from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+@functools.cache
+def _legacy_rng_globals() -> dict[tuple[str, str], Any]:
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    allowed = {
+        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+        ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+        ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("_codecs", "encode"): __import__("codecs").encode,
+    }
+    return allowed
+
+
+def load_legacy_rng(blob: bytes, where: str) -> dict[str, Any]:
+    """The RNG state dcpkit 0.1 saved as a pickle of Python, NumPy and torch states: read with
+    an allow-list of exactly those types (torch storages through ``weights_only``)."""
+    try:
+        state = RestrictedUnpickler(io.BytesIO(blob), _legacy_rng_globals(), where).load()
+    except UnsafeCheckpoint:
+        raise
+    except Exception as e:
+        raise UnsafeCheckpoint(f"{where} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state):
+        raise UnsafeCheckpoint(f"{where} is not an RNG state")
+    return state
+
+
+def safe_reader(base: type) -> type:
+    """A DCP ``StorageReader`` class like ``base`` whose ``read_metadata`` runs no code."""
+
+    class SafeReader(base):  # type: ignore[misc, valid-type]
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            path = self.fs.concat_path(self.path, ".metadata")
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = load_metadata(f, str(path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    SafeReader.__name__ = SafeReader.__qualname__ = f"Safe{base.__name__}"
+    return SafeReader
+
+
+def safe_load_planner() -> Any:
+    """DCP's default load planner, reading non-tensor values with ``weights_only=True``."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            loaded = load_value(value, f"the checkpoint's value {fqn}")
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
+
+    return SafeLoadPlanner()

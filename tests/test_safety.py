@@ -1,0 +1,341 @@
+"""A checkpoint is data, never code: hostile pickles are refused by every entry point (the
+marker file their payload would create never appears), and hostile structure is refused with a
+message, without reading or allocating more than the files hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import BUCKET
+from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager
+from dcpkit.manifest import sealed_bytes
+from dcpkit.models import build_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+class Payload:
+    """Unpickling this runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _model(seed: int = 0):
+    torch.manual_seed(seed)
+    return build_model("llama3", "debugmodel", max_seq_len=16, n_layers=1)
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+def _checkpoint(root: Path) -> Path:
+    """A real one-process checkpoint: model, a user state and RNG, at step 1."""
+    cfg = CheckpointConfig(enable=True, interval=1)
+    with CheckpointManager(cfg, root, _model(), states={"train_state": Counter()}) as mgr:
+        mgr.save(1)
+    return root / "checkpoint" / "step-1"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dcpkit.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def _refused(proc: subprocess.CompletedProcess, code: int = 2) -> str:
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def _load(folder: Path, **cfg) -> int | None:
+    config = CheckpointConfig(enable=True, **cfg)
+    return CheckpointManager(config, folder, _model(1), states={"train_state": Counter()}).load()
+
+
+@pytest.fixture
+def hostile_metadata(tmp_path) -> tuple[Path, Path]:
+    """A checkpoint whose ``.metadata`` is a pickle that would run a command (no manifest: as
+    a checkpoint written by plain DCP or TorchTitan has none)."""
+    ckpt = _checkpoint(tmp_path / "run")
+    marker = tmp_path / "PWNED"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    (ckpt / "dcpkit.json").unlink()
+    return ckpt, marker
+
+
+def test_hostile_metadata_is_refused_everywhere(hostile_metadata, tmp_path):
+    ckpt, marker = hostile_metadata
+    for verify in (True, False):
+        with pytest.raises(CheckpointError, match=r"asks to load posix\.system"):
+            _load(ckpt.parent.parent, verify_on_load=verify)
+    with pytest.raises(CheckpointError, match=r"posix\.system"):
+        _load(tmp_path / "fresh", initial_load_path=str(ckpt), initial_load_model_only=False)
+    assert "posix.system" in _refused(_cli("inspect", str(ckpt)))
+    assert "posix.system" in _refused(_cli("verify", str(ckpt)), code=1)
+    assert "posix.system" in _refused(_cli("diff", str(ckpt), str(ckpt)))
+    out = str(tmp_path / "out")
+    assert "posix.system" in _refused(_cli("to-hf", str(ckpt), out, "--flavor", "debugmodel"))
+    assert "posix.system" in _refused(_cli("to-torch", str(ckpt), out + ".pth"))
+    assert not marker.exists()
+
+
+def test_hostile_metadata_on_s3_is_refused(s3, hostile_metadata, tmp_path):
+    ckpt, marker = hostile_metadata
+    url = f"s3://{BUCKET}/hostile/step-1"
+    s3.put(str(ckpt), f"{BUCKET}/hostile/step-1", recursive=True)
+    with pytest.raises(CheckpointError, match=r"posix\.system"):
+        _load(tmp_path / "fresh", initial_load_path=url, initial_load_model_only=False)
+    assert "posix.system" in _refused(_cli("inspect", url))
+    assert not marker.exists()
+
+
+def test_hostile_rng_blob_and_value_are_refused(tmp_path):
+    """dcpkit 0.1's pickled RNG blob and DCP's torch.save'd values are read without code."""
+    marker = tmp_path / "PWNED"
+    model = _model()
+    for name, extra in {
+        "rng": {"rng": {"rank_0": pickle.dumps(Payload(marker))}},
+        "value": {"train_state": {"step": Payload(marker)}},
+    }.items():
+        ckpt = tmp_path / name / "checkpoint" / "step-1"
+        state = {**model.state_dict(), "train_state": {"step": 1}, **extra}
+        dcp.save(state, checkpoint_id=str(ckpt), no_dist=True)
+        with pytest.raises(CheckpointError, match=r"asks to load posix\.system"):
+            _load(tmp_path / name)
+    out = str(tmp_path / "value.pth")
+    _refused(_cli("to-torch", str(tmp_path / "value" / "checkpoint" / "step-1"), out))
+    assert not marker.exists()
+
+
+def test_hostile_torch_save_is_refused_unless_trusted(tmp_path):
+    marker = tmp_path / "PWNED"
+    pth = tmp_path / "model.pth"
+    torch.save({"w": torch.ones(3), "extra": Payload(marker)}, pth)
+    for args in (["inspect", str(pth)], ["diff", str(pth), str(pth)]):
+        assert "posix.system" in _refused(_cli(*args))
+    assert "--trust-pickle" in _refused(_cli("from-torch", str(pth), str(tmp_path / "ckpt")))
+    assert not marker.exists()
+    # The one flag that lifts it, for a file the user wrote: its code runs.
+    _cli("inspect", str(pth), "--trust-pickle")
+    assert marker.exists()
+
+
+# --- hostile structure ---------------------------------------------------------------------------
+
+
+def _rewrite_metadata(ckpt: Path, change) -> None:  # type: ignore[no-untyped-def]
+    """Edit a (trusted, test-made) ``.metadata`` and drop the manifest, as an attacker would."""
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    change(md)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    (ckpt / "dcpkit.json").unlink(missing_ok=True)
+
+
+def _first_tensor(md):  # type: ignore[no-untyped-def]
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return next(
+        (k, v) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+    )
+
+
+def test_metadata_naming_files_outside_the_folder(tmp_path):
+    ckpt = _checkpoint(tmp_path)
+
+    def escape(md):  # type: ignore[no-untyped-def]
+        for info in md.storage_data.values():
+            info.relative_path = "../../../../etc/passwd"
+
+    _rewrite_metadata(ckpt, escape)
+    text = _refused(_cli("to-torch", str(ckpt), str(tmp_path / "o.pth")))
+    assert "'../../../../etc/passwd', outside its own folder" in text
+    with pytest.raises(CheckpointError, match="outside its own folder"):
+        _load(tmp_path, verify_on_load=False)
+
+
+def test_metadata_claiming_more_than_the_files_hold(tmp_path):
+    ckpt = _checkpoint(tmp_path)
+    out = str(tmp_path / "o.pth")
+
+    def huge(md):  # type: ignore[no-untyped-def]
+        _, tmd = _first_tensor(md)
+        tmd.size = torch.Size([1 << 40, 1 << 20])
+        tmd.chunks[0].sizes = torch.Size([1 << 40, 1 << 20])
+
+    _rewrite_metadata(ckpt, huge)
+    assert "but its chunks hold" in _refused(_cli("to-torch", str(ckpt), out))
+
+    ckpt = _checkpoint(tmp_path / "neg")
+    _rewrite_metadata(ckpt, lambda md: setattr(_first_tensor(md)[1], "size", torch.Size([-4])))
+    assert "negative size" in _refused(_cli("to-torch", str(ckpt), out))
+
+    ckpt = _checkpoint(tmp_path / "long")
+
+    def past_end(md):  # type: ignore[no-untyped-def]
+        for info in md.storage_data.values():
+            info.length = 1 << 40
+
+    _rewrite_metadata(ckpt, past_end)
+    assert "too short for" in _refused(_cli("to-torch", str(ckpt), out))
+    assert "too short for" in _refused(_cli("verify", str(ckpt)), code=1)
+
+
+def test_symlink_out_of_the_folder(tmp_path):
+    ckpt = _checkpoint(tmp_path)
+    data = sorted(ckpt.glob("*.distcp"))[0]
+    outside = tmp_path / "elsewhere.bin"
+    shutil.copy(data, outside)
+    data.unlink()
+    data.symlink_to(outside)
+    text = _refused(_cli("to-torch", str(ckpt), str(tmp_path / "o.pth")))
+    assert "outside the checkpoint folder" in text
+
+
+def _hf_folder(tmp_path: Path) -> Path:
+    from dcpkit.convert.hf import to_hf
+
+    ckpt = _checkpoint(tmp_path / "src")
+    out = tmp_path / "hf"
+    to_hf(ckpt, out, "llama3", _flavor())
+    return out
+
+
+def _flavor():  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    from dcpkit.models import flavors
+
+    return replace(flavors("llama3")["debugmodel"], n_layers=1, max_seq_len=16)
+
+
+def _set_header(path: Path, header: object, length: int | None = None) -> None:
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    raw = json.dumps(header).encode()
+    raw += b" " * max(0, n - len(raw))
+    path.write_bytes((length or len(raw)).to_bytes(8, "little") + raw + data[8 + n :])
+
+
+def test_hostile_safetensors_headers(tmp_path):
+    hf = _hf_folder(tmp_path)
+    shard = sorted(hf.glob("*.safetensors"))[0]
+    original = shard.read_bytes()
+    n = int.from_bytes(original[:8], "little")
+    header = json.loads(original[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+
+    def refused(expected: str) -> None:
+        text = _refused(_cli("inspect", str(hf)))
+        assert expected in text, text
+        shard.write_bytes(original)
+
+    shard.write_bytes((1 << 40).to_bytes(8, "little") + original[8:])
+    refused("header length 1099511627776")
+    _set_header(shard, [1, 2, 3])
+    refused("not a JSON object")
+    bad = json.loads(json.dumps(header))
+    bad[name]["data_offsets"][1] += 1 << 30
+    _set_header(shard, bad)
+    refused("its shape")
+    others = [k for k in header if k not in ("__metadata__", name)]
+    bad = json.loads(json.dumps(header))
+    bad[others[0]]["data_offsets"] = header[name]["data_offsets"]
+    bad[others[0]]["shape"], bad[others[0]]["dtype"] = header[name]["shape"], header[name]["dtype"]
+    _set_header(shard, bad)
+    refused("overlap")
+    (hf / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {name: "../../outside.safetensors"}})
+    )
+    refused("outside its own folder")
+
+
+def test_config_describing_more_than_the_folder_holds(tmp_path):
+    hf = _hf_folder(tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    for change, expected in (
+        ({"num_hidden_layers": 10**9}, "describes 1000000000 layers"),
+        ({"vocab_size": 10**9}, "parameters, but the folder"),
+    ):
+        (hf / "config.json").write_text(json.dumps({**config, **change}))
+        text = _refused(_cli("from-hf", str(hf), str(tmp_path / "back")))
+        assert expected in text, text
+
+
+def test_manifest_naming_files_outside_the_folder(tmp_path):
+    ckpt = _checkpoint(tmp_path)
+    manifest = json.loads((ckpt / "dcpkit.json").read_text())
+    manifest.pop("manifest_xxh3_64")
+    manifest["files"]["../../escape"] = {"size": 1, "xxh3_64": "0"}
+    (ckpt / "dcpkit.json").write_bytes(sealed_bytes(manifest))
+    text = _refused(_cli("verify", str(ckpt)), code=1)
+    assert "names '../../escape', outside the checkpoint folder" in text
+
+
+def test_files_are_created_with_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        ckpt = _checkpoint(tmp_path)
+    finally:
+        os.umask(old)
+    for path in [ckpt, *ckpt.iterdir()]:
+        assert not path.stat().st_mode & 0o002, path
+
+
+def test_plain_dcp_checkpoints_still_load_and_inspect(tmp_path):
+    """What plain ``dcp.save`` writes (tensors and non-tensor values) reads as before."""
+    model = _model()
+    ckpt = tmp_path / "checkpoint" / "step-5"
+    state = {**model.state_dict(), "train_state": {"step": 5, "note": "plain", "hist": [1.5, 2]}}
+    dcp.save(state, checkpoint_id=str(ckpt), no_dist=True)
+    counter = Counter()
+    cfg = CheckpointConfig(enable=True)
+    fresh = _model(1)
+    assert CheckpointManager(cfg, tmp_path, fresh, states={"train_state": counter}).load() == 5
+    assert counter.step == 5
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    proc = _cli("inspect", str(ckpt), "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["objects"] == [
+        "train_state.step",
+        "train_state.note",
+        "train_state.hist",
+    ]
+    out = tmp_path / "plain.pth"
+    assert _cli("to-torch", str(ckpt), str(out)).returncode == 0
+    loaded = torch.load(out, weights_only=True)
+    assert loaded["train_state"] == {"step": 5, "note": "plain", "hist": [1.5, 2]}
+
+
+def test_a_newer_manifest_format_is_named(tmp_path):
+    ckpt = _checkpoint(tmp_path)
+    manifest = json.loads((ckpt / "dcpkit.json").read_text())
+    manifest.pop("manifest_xxh3_64")
+    manifest["format"] = "dcpkit-checkpoint/99"
+    (ckpt / "dcpkit.json").write_bytes(sealed_bytes(manifest))
+    text = _refused(_cli("verify", str(ckpt)), code=1)
+    assert "has format 'dcpkit-checkpoint/99'" in text and "upgrade" in text
+    with pytest.raises(CheckpointError, match="dcpkit-checkpoint/99"):
+        _load(tmp_path, verify_on_load=False)
