@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import time
 
 import pytest
 import torch
@@ -132,3 +134,26 @@ def test_shared_memory_shortage_is_refused_with_advice(tmp_path, process_group, 
     with CheckpointManager(cfg, tmp_path / "thread", model) as mgr:
         mgr.save(1)
     assert open_store(tmp_path / "thread" / "checkpoint").published_steps() == [1]
+
+
+def test_a_killed_writer_process_is_reported_at_the_next_call(tmp_path, process_group, monkeypatch):
+    """The writer process dies (SIGKILL) in the middle of step 2's save: the next call says
+    which signal, which step was lost, and which step is still the latest."""
+    monkeypatch.setenv("DCPKIT_FAILPOINT", "mid_write:2:0:writer")
+    model = build_model("llama3", "debugmodel", max_seq_len=16, n_layers=1)
+    cfg = CheckpointConfig(enable=True, interval=1, async_mode="async_with_pinned_mem")
+    mgr = CheckpointManager(cfg, tmp_path, model)
+    mgr.save(1)
+    mgr.wait()
+    mgr.save(2)
+    deadline = time.time() + 60
+    with pytest.raises(AsyncSaveError) as failure:
+        while time.time() < deadline:
+            mgr.maybe_wait_for_staging()  # what a training loop calls before optimizer.step()
+            time.sleep(0.05)
+    text = str(failure.value)
+    assert "writer process was killed by SIGKILL" in text, text
+    assert "step 2 was not written (step 1 is still the latest)" in text
+    assert open_store(tmp_path / "checkpoint").published_steps() == [1]
+    with contextlib.suppress(Exception):
+        mgr.close()

@@ -95,7 +95,7 @@ def _report(result, verb: str) -> None:  # type: ignore[no-untyped-def]
         )
     if result.max_logits_diff is not None:
         print(
-            f"  verified: transformers logits match dcpkit's model, max abs diff "
+            f"  verified: transformers logits match the source model's, max abs diff "
             f"{result.max_logits_diff:.3g}"
         )
     for note in result.notes:
@@ -140,7 +140,11 @@ def _cmd_to_hf(args: argparse.Namespace, rest: list[str]) -> int:
             "to-hf needs a checkpoint and an output folder: dcpkit to-hf CKPT OUT_DIR "
             "--model llama3 --flavor 8B"
         )
-    if not args.flavor:
+    if args.model == "hf":
+        if not args.config:
+            raise CLIError("to-hf --model hf needs the model's config.json: --config CONFIG_JSON")
+        args.flavor = args.config
+    elif not args.flavor:
         raise CLIError(
             "to-hf needs --flavor (e.g. --flavor 8B): head counts cannot be read "
             "from the tensors' shapes"
@@ -265,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt_path", "--ckpt-path", dest="ckpt_path", help=argparse.SUPPRESS)
     p.add_argument("--output_path", "--output-path", dest="output_path", help=argparse.SUPPRESS)
     _add_model(p, "model flavor, e.g. debugmodel or 8B")
+    p.add_argument(
+        "--config",
+        help="with --model hf: the transformers model's config.json, written with the export",
+    )
     p.add_argument(
         "--tokenizer",
         "--tokenizer_path",

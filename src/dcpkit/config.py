@@ -57,10 +57,19 @@ class CheckpointConfig:
     """Build the model on one rank without parallelism, save it as step 0 and stop."""
     load_only: bool = False
     """Load checkpoints but never save."""
+    load_model_only: bool = False
+    """Restore only the model from the checkpoint folder's step (optimizer, scheduler, data and
+    RNG start fresh): how to go on from a model-only save, such as a finished run's last one."""
     verify_on_load: bool = True
     """Check the checkpoint's file sizes and checksums before loading it (ranks split the work)."""
     fallback_on_corruption: bool = False
     """When the latest checkpoint fails verification, load the newest one that passes."""
+    lease_timeout_s: float = 60.0
+    """A run holds a lease on its folder, renewed every quarter of this; another run takes it
+    over when its holder is gone (a dead pid on this host, or this long without a heartbeat)."""
+    storage_retry_s: float = 120.0
+    """How long a save retries transient storage errors (no answer, a reset connection,
+    throttling), with backoff, before it fails naming the endpoint and the step."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Options for fsspec when ``folder`` is a URL (e.g. ``{endpoint_url = "...", key = ...}``)."""
 
@@ -68,6 +77,14 @@ class CheckpointConfig:
         self.async_mode = str(self.async_mode).lower()
         if not str(self.folder).strip():
             raise ConfigError("[checkpoint] folder must not be empty (default: 'checkpoint')")
+        if not self.storage_retry_s >= 0:
+            raise ConfigError(
+                f"[checkpoint] storage_retry_s must be >= 0, got {self.storage_retry_s}"
+            )
+        if not self.lease_timeout_s > 0:
+            raise ConfigError(
+                f"[checkpoint] lease_timeout_s must be > 0, got {self.lease_timeout_s}"
+            )
         if self.interval < 1:
             raise ConfigError(
                 f"[checkpoint] interval must be >= 1, got {self.interval}: it is the number of "

@@ -35,12 +35,24 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     if not is_dist():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def first_rank_error(fn: Any, errors: tuple[type[BaseException], ...]) -> str | None:
+    """Run ``fn`` on rank 0 only; every rank returns the message of the ``errors`` it raised
+    (None when it succeeded), so that all ranks can fail together."""
+    error = None
+    if rank() == 0:
+        try:
+            fn()
+        except errors as e:
+            error = str(e)
+    return broadcast_object(error)
 
 
 @contextlib.contextmanager

@@ -64,9 +64,11 @@ RNG = "rng"
 NON_MODEL_GROUPS = (OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE, RNG, "lr_schedulers")
 
 
-def is_model_key(key: str) -> bool:
-    """A model parameter in TorchTitan's top-level layout (not optimizer, scheduler, ...)."""
-    return key.split(".", 1)[0] not in NON_MODEL_GROUPS
+def is_model_key(key: str, other_groups: frozenset[str] | set[str] = frozenset()) -> bool:
+    """A model parameter in TorchTitan's top-level layout: not optimizer, scheduler, ..., nor
+    one of ``other_groups`` (the user states a checkpoint's manifest lists as its own groups)."""
+    head = key.split(".", 1)[0]
+    return head not in NON_MODEL_GROUPS and head not in other_groups
 
 
 # --- dtypes --------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from dcpkit.convert.hf_files import copy_tokenizer, find_tokenizer, special_ids,
 from dcpkit.convert.hf_verify import verify_dcp_tensors, verify_hf_tensors, verify_logits
 from dcpkit.formats.dcp import DCPCheckpoint, meta_tensor, write_dcp
 from dcpkit.formats.safetensors import SafetensorsFolder, SafetensorsWriter
-from dcpkit.layout import MODEL, dtype_name, is_model_key
+from dcpkit.layout import MODEL, dtype_name
 from dcpkit.manifest import build_manifest
 from dcpkit.storage import open_checkpoint
 from dcpkit.units import parse_size
@@ -84,7 +84,7 @@ def to_hf(
         pending.write_manifest(manifest)
         if verify:
             result.max_tensor_diff = verify_hf_tensors(src, tmp, plan, out_dtype, budget)
-            result.max_logits_diff = verify_logits(adapter, args, tmp, result)
+            result.max_logits_diff = verify_logits(adapter, args, tmp, result, src)
         pending.publish()
     result.seconds = time.perf_counter() - start
     return result
@@ -92,7 +92,8 @@ def to_hf(
 
 def _resolve_flavor(adapter: ModelAdapter, flavor: str | Any) -> tuple[Any, str]:
     if isinstance(flavor, str):
-        return adapter.resolve_flavor(flavor), flavor
+        args = adapter.resolve_flavor(flavor)
+        return args, (flavor if adapter.flavors else adapter.flavor_name(args) or flavor)
     return flavor, adapter.flavor_name(flavor) or "custom"
 
 
@@ -111,7 +112,7 @@ def write_hf_folder(
     """Write the model of ``src`` into the empty folder ``dest``: safetensors shards and their
     index, ``config.json``, ``generation_config.json`` and the tokenizer files."""
     tok = find_tokenizer(Path(tokenizer)) if tokenizer else None
-    keys = [k for k in src.tensors if is_model_key(k)]
+    keys = [k for k in src.tensors if src.is_model_key(k)]
     if not keys:
         raise ConversionError(f"{name or src.path} holds no model parameters")
     src.check(keys)

@@ -38,10 +38,14 @@ def verify_hf_tensors(
     return worst
 
 
-def verify_logits(adapter: ModelAdapter, args: Any, folder: Path, result: Any) -> float | None:
+def verify_logits(
+    adapter: ModelAdapter, args: Any, folder: Path, result: Any, source: Any = None
+) -> float | None:
     """Load the folder with transformers and compare float32 logits with dcpkit's model."""
     from dcpkit.models import known_models
 
+    if adapter.family == "hf":
+        return verify_logits_hf(folder, result, source)
     if adapter.family not in known_models():
         result.notes.append(f"logits not compared: dcpkit has no {adapter.family} model")
         return None
@@ -106,3 +110,35 @@ def verify_dcp_tensors(
                     )
                 worst = max(worst, max_abs_diff(back.float(), converted.float()))
     return worst
+
+
+def verify_logits_hf(folder: Path, result: Any, source: Any) -> float | None:
+    """A transformers-named export: ``from_pretrained`` of the folder against the same
+    architecture rebuilt from its config and given the source checkpoint's tensors."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        result.notes.append("logits not compared: transformers is not installed")
+        return None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    exported = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(str(folder))
+    rebuilt = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    state = rebuilt.state_dict()
+    for key in state:
+        if key in source.tensors:
+            state[key] = source.read(key).float()
+    rebuilt.load_state_dict(state, strict=True)
+    if getattr(config, "tie_word_embeddings", False):
+        rebuilt.tie_weights()
+    vocab = int(config.vocab_size)
+    tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = max_abs_diff(exported(tokens).logits, rebuilt(tokens).logits)
+    if diff > 1e-4:
+        raise ConversionError(
+            f"verification failed: the export's logits differ from the checkpoint's by {diff:.3g}"
+        )
+    return diff

@@ -43,7 +43,7 @@ def to_torch(
         open_checkpoint(ckpt, storage_options) as view,
         DCPCheckpoint(view.path, view.opener) as src,
     ):
-        keys = [k for k in src.tensors if not model_only or is_model_key(k)]
+        keys = [k for k in src.tensors if not model_only or src.is_model_key(k)]
         src.check(keys)
         objects = [] if model_only else list(src.objects)
         if not keys and not objects:

@@ -60,6 +60,7 @@ class AsyncCheckpointer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpkit-writer")
         self._pending: Future | None = None
         self._pending_step: int | None = None
+        self._pending_store: Any = None
         self._staged = threading.Event()
         self._staged.set()
         self._copy_error: BaseException | None = None
@@ -100,7 +101,7 @@ class AsyncCheckpointer:
         on_device = any(src.is_cuda for src in sources.values())
         if on_device:
             self._copy_on_side_stream(sources)
-        self._pending_step = info.step
+        self._pending_step, self._pending_store = info.step, info.store
         self._pending = self._executor.submit(self._run, staged, sources, new_buffers, on_device)
 
     def wait_for_staging(self) -> None:
@@ -114,17 +115,25 @@ class AsyncCheckpointer:
             raise AsyncSaveError(
                 f"staging the save of step {self._pending_step} failed: {err}"
             ) from err
+        if self._pending is not None and self._pending.done() and self._pending.exception():
+            self.wait()  # the background write already failed: say so now, not a save later
 
     def wait(self) -> None:
         """Block until the last save is durable; raise its error, naming the step."""
         if self._pending is None:
             return
-        pending, step = self._pending, self._pending_step
+        pending, step, store = self._pending, self._pending_step, self._pending_store
         self._pending = None
         try:
             pending.result()
         except BaseException as e:
-            raise AsyncSaveError(f"the asynchronous save of step {step} failed: {e}") from e
+            latest = store.latest_step() if store is not None else None
+            where = (
+                f"step {latest} is still the latest" if latest is not None else "none is published"
+            )
+            said = "still the latest" in str(e) or "is published" in str(e)
+            tail = "" if said else f"; step {step} was not written ({where})"
+            raise AsyncSaveError(f"the asynchronous save of step {step} failed: {e}{tail}") from e
 
     def close(self) -> None:
         try:

@@ -38,6 +38,13 @@ class LoadPlan:
         return self.store.location(self.name) if self.name else ""
 
 
+def check_reachable(store: Any) -> None:
+    """Every rank: fail at start, naming the folder, when the store cannot be used."""
+    error = dist.first_rank_error(store.check_reachable, (StoreError,))
+    if error:
+        raise CheckpointError(f"[checkpoint] folder {error}")
+
+
 def plan_load(config: Any, store: Any) -> LoadPlan:
     """What to load (rank 0 decides; the plan is broadcast)."""
     choice = choose_step(store.published_steps(), config.load_step, store.root)
@@ -48,7 +55,8 @@ def plan_load(config: Any, store: Any) -> LoadPlan:
         if config.load_step == -1 and config.initial_load_path:
             reason += " (initial_load_path is ignored: the checkpoint folder is not empty)"
         name = step_name(choice.step)
-        return LoadPlan(store, name, choice.step, is_seed_step(choice.step), reason, own=True)
+        model_only = is_seed_step(choice.step) or config.load_model_only
+        return LoadPlan(store, name, choice.step, model_only, reason, own=True)
     if config.initial_load_path:
         return _plan_initial_load(config)
     return LoadPlan(None, None, None, False, f"{choice.reason}: starting fresh")
@@ -125,7 +133,8 @@ def verified(plan: LoadPlan, config: Any, store: Any) -> LoadPlan:
             )
         if not verify_everywhere(store, name, require_commit=True):
             reason = f"fallback: {plan.name} failed verification"
-            return LoadPlan(store, name, step, is_seed_step(step), reason, own=True)
+            model_only = is_seed_step(step) or config.load_model_only
+            return LoadPlan(store, name, step, model_only, reason, own=True)
         failed = LoadPlan(store, name, step, is_seed_step(step), "", own=True)
     raise CheckpointError(
         f"no published checkpoint in {store.root} passes verification (the latest failed "

@@ -22,14 +22,19 @@ from torch import nn
 from dcpkit import dist
 from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.engine import load as load_plan
+from dcpkit.engine.lease import check_lease, take_lease
 from dcpkit.engine.policy import config_problem, should_save
 from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.restore import HFCodec, restore
 from dcpkit.engine.save import Saver, collect, mesh_info
-from dcpkit.engine.states import ModelState, Stateful, collect_states
-from dcpkit.errors import CheckpointError
+from dcpkit.engine.states import (
+    ModelState,
+    Stateful,
+    check_same_on_every_rank,
+    collect_states,
+)
 from dcpkit.layout import MODEL, RNG, step_name
-from dcpkit.storage import StoreError, open_location, open_store
+from dcpkit.storage import open_location, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +58,16 @@ class CheckpointManager:
         states: dict[str, Stateful] | None = None,
         save_rng: bool = True,
         hf_model: HFCodec | None = None,
+        per_rank_states: dict[str, Stateful] | None = None,
     ) -> None:
         self.config = config
         self.hf_model = hf_model
         self.store = open_store(config.folder, config.storage_options, base=base_folder)
         self.folder = self.store.root
         self.model = ModelState(model)
-        self.states = collect_states(model, optimizer, lr_scheduler, dataloader, states)
+        self.states = collect_states(
+            model, optimizer, lr_scheduler, dataloader, states, per_rank_states
+        )
         self.save_rng = save_rng
         error = config_problem(config, self.state_names(), hf_model is not None)
         if error:
@@ -69,26 +77,16 @@ class CheckpointManager:
         self.loaded_step: int | None = None
         writes = config.enable and not config.load_only
         if config.enable:
-            self._check_store()
+            load_plan.check_reachable(self.store)
+        self._lease = take_lease(self.store, config.lease_timeout_s) if writes else None
         if writes and self.rank == 0:
-            self.store.remove_incomplete()
+            self.store.remove_incomplete()  # the lease is ours: leftovers are dead runs'
         dist.barrier()
         self._saver = Saver(config.async_mode) if writes else None
         self._async = self._saver.async_ckpt if self._saver is not None else None
 
     def state_names(self) -> list[str]:
         return [MODEL, *self.states, *([RNG] if self.save_rng else [])]
-
-    def _check_store(self) -> None:
-        error = None
-        if self.rank == 0:
-            try:
-                self.store.check_reachable()
-            except StoreError as e:
-                error = str(e)
-        error = dist.broadcast_object(error)
-        if error:
-            raise CheckpointError(f"[checkpoint] folder {error}")
 
     def published_steps(self) -> list[int]:
         """Steps of the published checkpoints in the checkpoint folder, ascending."""
@@ -113,12 +111,9 @@ class CheckpointManager:
             plan = load_plan.verified(plan, self.config, self.store)
         start = time.perf_counter()
         loaded = self._restore(plan.store, plan.name, plan.model_only)
+        seconds, pieces = time.perf_counter() - start, ", ".join(loaded)
         logger.info(
-            "checkpoint: loaded %s (%s; %s) in %.2fs",
-            plan.location,
-            plan.reason,
-            ", ".join(loaded),
-            time.perf_counter() - start,
+            f"checkpoint: loaded {plan.location} ({plan.reason}; {pieces}) in {seconds:.2f}s"
         )
         self.loaded_step = plan.step
         return plan.step
@@ -170,8 +165,11 @@ class CheckpointManager:
         """Save at ``step`` if the policy says so (or ``force``). Returns whether it saved."""
         if self._saver is None or not self.should_save(step, last_step, force):
             return False
+        check_lease(self._lease)
         model_only = last_step and self.config.last_save_model_only
         state = self.collect(model_only=model_only)
+        if not model_only:
+            check_same_on_every_rank(self.states, state)
         info = self._step_info(step, model_only)
         start = time.perf_counter()
         if self._saver.async_ckpt is not None and not (last_step or force):
@@ -187,19 +185,16 @@ class CheckpointManager:
         hf = self.hf_model if model_only and self.config.last_save_in_hf else None
         self._saver.save_sync(state, info, hf)
         self.last_saved_step = step
+        what = f" (model only, {self.config.export_dtype})" if model_only else ""
+        seconds, checksum_s = time.perf_counter() - start, self._saver.last_checksum_s
         logger.info(
-            "checkpoint: saved step %d%s to %s in %.2fs (checksums %.3fs)",
-            step,
-            " (model only, " + self.config.export_dtype + ")" if model_only else "",
-            self.step_path(step),
-            time.perf_counter() - start,
-            self._saver.last_checksum_s,
+            f"checkpoint: saved step {step}{what} to {self.step_path(step)} in {seconds:.2f}s "
+            f"(checksums {checksum_s:.3f}s)"
         )
         return True
 
     @property
-    def last_checksum_s(self) -> float:
-        """Seconds the last synchronous save spent checksumming this rank's files."""
+    def last_checksum_s(self) -> float:  # seconds the last synchronous save spent checksumming
         return self._saver.last_checksum_s if self._saver else 0.0
 
     def save_seed_checkpoint(self) -> Path:
@@ -224,6 +219,8 @@ class CheckpointManager:
             keep_latest_k=self.config.keep_latest_k,
             dtype=self.config.export_dtype if model_only else None,
             mesh=mesh_info(self.model),
+            retry_s=self.config.storage_retry_s,
+            previous=self.last_saved_step,
         )
 
     def wait(self) -> None:
@@ -237,7 +234,11 @@ class CheckpointManager:
         """Drain pending asynchronous saves (raising their errors) and stop the writer."""
         if self._saver is not None:
             saver, self._saver, self._async = self._saver, None, None
-            saver.close()
+            try:
+                saver.close()
+            finally:
+                if self._lease is not None:
+                    self._lease.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

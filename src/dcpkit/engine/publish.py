@@ -10,17 +10,23 @@ interleave with training's).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcpkit import dist, failpoints
 from dcpkit.engine.policy import steps_to_delete
+from dcpkit.errors import CheckpointError, first_failure
 from dcpkit.layout import METADATA, step_name
 from dcpkit.manifest import build_manifest
+from dcpkit.units import human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +43,10 @@ class StepInfo:
     dtype: str | None = None
     mesh: dict[str, Any] | None = None
     source: str | None = None
+    retry_s: float = 0.0
+    """How long transient storage errors are retried, with backoff, before the save fails."""
+    previous: int | None = None
+    """The step saved before this one, to name in a failure when the store cannot be listed."""
 
 
 @dataclass
@@ -60,47 +70,190 @@ def write_and_publish(
     ``delete_now=False`` leaves the deletion of the steps retention chose to the caller (a
     background deleter), so that a synchronous save returns as soon as its step is published.
     """
+    deadline, delay = time.monotonic() + info.retry_s, 1.0
+    while True:
+        try:
+            return _write_once(info, state, planner, group, kill_pid, delete_now)
+        except _Failure as failure:
+            if not failure.transient:
+                raise CheckpointError(failure.message) from None
+            give_up = time.monotonic() + delay > deadline if dist.rank() == 0 else None
+            if dist.broadcast_object(give_up, group=group):  # one decision for every rank
+                raise CheckpointError(
+                    f"{failure.message}; retried for {info.retry_s:.0f}s "
+                    "([checkpoint] storage_retry_s): giving up"
+                ) from None
+            if dist.rank() == 0:
+                logger.warning(
+                    "checkpoint: step %d: %s; retrying in %.0fs", info.step, failure.message, delay
+                )
+            time.sleep(delay)
+            delay = min(2 * delay, 30.0)
+
+
+class _Failure(Exception):
+    """A failed attempt, the same on every rank: its message and whether to try again."""
+
+    def __init__(self, message: str, transient: bool) -> None:
+        super().__init__(message)
+        self.message, self.transient = message, transient
+
+
+def _write_once(
+    info: StepInfo,
+    state: dict[str, Any],
+    planner: Any,
+    group: Any,
+    kill_pid: int | None,
+    delete_now: bool,
+) -> Published:
     store = info.store
     pending = store.begin(step_name(info.step), info.step, kill_pid)
     rank = dist.rank()
-    if rank == 0:
-        pending.prepare()
-    dist.barrier(group)
-    with dist.quiet_single_process():
-        dcp.save(
-            state,
-            storage_writer=pending.dcp_writer(),
-            planner=planner,
-            process_group=group,
-            no_dist=not dist.is_dist(),
-        )
+    sized = state or getattr(planner, "buffers", {})  # what this rank writes, for messages
+    failure = _attempt(lambda: pending.prepare(), info, sized) if rank == 0 else None
+    _raise_if(dist.broadcast_object(failure, group=group))
+    try:
+        with dist.quiet_single_process():
+            dcp.save(
+                state,
+                storage_writer=pending.dcp_writer(),
+                planner=planner,
+                process_group=group,
+                no_dist=not dist.is_dist(),
+            )
+    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+        if rank == 0:
+            with contextlib.suppress(Exception):
+                pending.abort()
+        cause = first_failure(e)
+        raise _Failure(save_failure(cause, info, sized), transient(cause)) from None
     failpoints.hit("after_write", info.step, rank, kill_pid)
     start = time.perf_counter()
     files = pending.describe(pending.own_files(rank))
     checksum_s = time.perf_counter() - start
     gathered = dist.all_gather_object(files, group)
     doomed: list[int] = []
+    failure = None
     if rank == 0:
         all_files: dict[str, Any] = {}
         for part in gathered:
             all_files.update(part)
-        all_files.update(pending.describe([METADATA]))
-        manifest = build_manifest(
-            info.step,
-            dist.world_size(),
-            info.groups,
-            all_files,
-            dtype=info.dtype,
-            mesh=info.mesh,
-            source=info.source,
-        )
-        pending.write_manifest(manifest)
-        pending.publish()
-        doomed = steps_to_delete(store.published_steps(), info.keep_latest_k)
-        if delete_now:
-            delete_steps(store, doomed)
-    dist.barrier(group)
+
+        def publish() -> None:
+            all_files.update(pending.describe([METADATA]))
+            manifest = build_manifest(
+                info.step,
+                dist.world_size(),
+                info.groups,
+                all_files,
+                dtype=info.dtype,
+                mesh=info.mesh,
+                source=info.source,
+            )
+            pending.write_manifest(manifest)
+            pending.publish()
+
+        failure = _attempt(publish, info, sized)
+        if failure is not None:
+            with contextlib.suppress(Exception):
+                pending.abort()
+        else:
+            doomed = steps_to_delete(store.published_steps(), info.keep_latest_k)
+            if delete_now:
+                delete_steps(store, doomed)
+    _raise_if(dist.broadcast_object(failure, group=group))
     return Published(checksum_s, doomed)
+
+
+def _attempt(step: Any, info: StepInfo, state: dict[str, Any]) -> tuple[str, bool] | None:
+    """Run ``step``; a storage error becomes the failure every rank raises."""
+    try:
+        step()
+    except Exception as e:
+        if not (isinstance(e, OSError) or transient(e)):
+            raise
+        return save_failure(e, info, state), transient(e)
+    return None
+
+
+def _raise_if(failure: tuple[str, bool] | None) -> None:
+    if failure is not None:
+        raise _Failure(*failure)
+
+
+_TRANSIENT_NAMES = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ClientConnectorError",
+    "ClientOSError",
+    "ServerDisconnectedError",
+    "ServerTimeoutError",
+}
+_TRANSIENT_WORDS = ("slowdown", "throttl", "requesttimeout", "service unavailable", "503")
+
+
+def transient(e: BaseException) -> bool:
+    """An error worth retrying: the store did not answer, reset the connection, or throttled."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, ConnectionError | TimeoutError) or type(e).__name__ in _TRANSIENT_NAMES:
+            return True
+        text = str(e).lower()
+        if any(w in text for w in _TRANSIENT_WORDS) or any(
+            n.lower() in text for n in _TRANSIENT_NAMES
+        ):
+            return True
+        e, seen = (e.__cause__ or e.__context__), seen + 1  # type: ignore[assignment]
+    return False
+
+
+def save_failure(e: BaseException, info: StepInfo, state: dict[str, Any]) -> str:
+    """One message for a save that failed: what happened, that the previous step is still the
+    latest, and what to do."""
+    store = info.store
+    try:
+        latest = store.latest_step()
+    except Exception:  # the store does not answer: the run's own record says
+        latest = info.previous
+    still = f"Step {latest} is still the latest" if latest is not None else "No step is published"
+    where = f"saving step {info.step} into {store.root} failed"
+    code = getattr(e, "errno", None)
+    space = store.space()
+    full = code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)
+    if not full and space is not None and "unexpected pos" in str(e):
+        full = space[0] < (64 << 20)  # torch's archive writer hides ENOSPC behind this
+    if full:
+        need = _state_bytes(state) * dist.world_size()
+        have = f" ({human_bytes(space[0])} free of {human_bytes(space[1])})" if space else ""
+        return (
+            f"{where}: the disk is full{have}; a checkpoint of this run needs about "
+            f"{human_bytes(need)}. {still}. Free space or lower keep_latest_k, or point "
+            "[checkpoint] folder at a larger disk"
+        )
+    if code == errno.EACCES or isinstance(e, PermissionError):
+        return f"{where}: permission denied ({e}). {still}. Make the folder writable"
+    if transient(e):
+        endpoint = store.endpoint() or store.root
+        return (
+            f"{where}: the storage at {endpoint} does not answer ({type(e).__name__}: {e}). {still}"
+        )
+    if isinstance(e, FileNotFoundError):
+        return f"{where}: the folder was removed while the run wrote into it ({e}). {still}"
+    return f"{where}: {type(e).__name__}: {e}. {still}"
+
+
+def _state_bytes(state: Any) -> int:
+    if torch.is_tensor(state):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_state_bytes(v) for v in state)
+    return 0
 
 
 def delete_steps(store: Any, steps: list[int]) -> None:

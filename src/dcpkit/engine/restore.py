@@ -22,9 +22,16 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from dcpkit import dist
-from dcpkit.engine.states import ModelState, Stateful, restore_rng, rng_key, rng_source_rank
+from dcpkit.engine.states import (
+    ModelState,
+    PerRank,
+    Stateful,
+    rank_key,
+    restore_rng,
+    rng_source_rank,
+)
 from dcpkit.errors import CheckpointError, first_failure
-from dcpkit.layout import HF_FILES, METADATA, MODEL, RNG
+from dcpkit.layout import HF_FILES, METADATA, MODEL, RNG, is_model_key
 from dcpkit.manifest import format_problem
 from dcpkit.safe_pickle import UnsafeCheckpoint, safe_load_planner
 
@@ -88,21 +95,30 @@ def restore(
         )
     template: dict[str, Any] = dict(model_sd)
     excluded = set(excluded)
-    pieces: list[str] = []
-    if not model_only:
-        for group, obj in states.items():
-            if group in excluded:
-                logger.info("checkpoint: not loading %r (exclude_from_loading)", group)
-            elif not has_group(group):
-                logger.warning("checkpoint: %s holds no %r; it starts fresh", location, group)
-            else:
-                template[group] = obj.state_dict()
-                pieces.append(group)
+    for group in excluded & set(states):
+        logger.info("checkpoint: not loading %r (exclude_from_loading)", group)
+    wanted = [] if model_only else [g for g in states if g not in excluded]
+    want_rng = not model_only and rng and RNG not in excluded
+    rng_saved = any(_RNG_KEY.match(k) for k in saved)
+    missing = [g for g in wanted if not has_group(g)]
+    if want_rng and not rng_saved and manifest is not None:
+        missing.append(RNG)  # a dcpkit checkpoint saved without it: the streams would differ
+    if missing:
+        raise CheckpointError(_missing_message(location, missing, manifest, saved))
+    per_rank: dict[str, tuple[str, int]] = {}
+    for group in wanted:
+        obj = states[group]
+        if isinstance(obj, PerRank):
+            template[group], per_rank[group] = _per_rank_template(obj, group, saved, location)
+        else:
+            template[group] = obj.state_dict()
     rng_plan = None
-    if not model_only and rng and RNG not in excluded:
+    if want_rng and rng_saved:
         rng_plan = _plan_rng(saved, location)
         if rng_plan is not None:
-            template[RNG] = {rng_key(rng_plan[0]): _rng_template(metadata, rng_plan[0], location)}
+            template[RNG] = {rank_key(rng_plan[0]): _rng_template(metadata, rng_plan[0], location)}
+    elif want_rng:
+        logger.warning("checkpoint: %s holds no RNG state (not written by dcpkit)", location)
     try:
         with dist.quiet_single_process():
             dcp.load(
@@ -116,17 +132,84 @@ def restore(
     except UnsafeCheckpoint as e:
         raise CheckpointError(f"{location}: {e}") from None
     model.load_state_dict({k: template[k] for k in model_sd})
-    for group in pieces:
-        states[group].load_state_dict(template[group])
-    restored = [MODEL, *pieces]
+    for group in wanted:
+        obj = states[group]
+        if group not in per_rank:
+            obj.load_state_dict(template[group])
+        elif per_rank[group][0] == "reshard":
+            saved_states = [template[group][rank_key(i)] for i in range(per_rank[group][1])]
+            obj.obj.load_state_dict(
+                obj.obj.reshard_state_dict(saved_states, dist.rank(), dist.world_size())
+            )
+        else:
+            obj.obj.load_state_dict(template[group][rank_key(per_rank[group][1])])
+    restored = [MODEL, *wanted]
     if rng_plan is not None:
         source, offset = rng_plan
         try:
-            restore_rng(template[RNG][rng_key(source)], reseed_offset=offset, where=location)
+            restore_rng(template[RNG][rank_key(source)], reseed_offset=offset, where=location)
         except UnsafeCheckpoint as e:
             raise CheckpointError(str(e)) from None
         restored.append(RNG)
     return restored
+
+
+def _missing_message(location: str, missing: list[str], manifest: Any, saved: set[str]) -> str:
+    listing = ", ".join(repr(g) for g in missing)
+    model_only = (manifest or {}).get("model_only") or all(is_model_key(k) for k in saved)
+    if model_only:
+        return (
+            f"{location} holds the model only (a model-only save: the last save of a finished "
+            f"run, a seed checkpoint or an export), not this run's {listing}. To go on from it "
+            "with those starting fresh, set [checkpoint] load_model_only = true "
+            "(initial_load_model_only for an initial_load_path); to resume everything, set "
+            "load_step to a full checkpoint"
+        )
+    return (
+        f"{location} holds no {listing}: loading it would start them fresh without a word. Pass "
+        "the states it was saved with, or name them in [checkpoint] exclude_from_loading to "
+        "start them fresh on purpose"
+    )
+
+
+def _per_rank_template(
+    obj: PerRank, group: str, saved: set[str], location: str
+) -> tuple[dict[str, Any], tuple[str, int]]:
+    """What to load a per-rank state into, and how: ``("take", saved rank)`` by the rule
+    ``r % saved_world_size``, or ``("reshard", saved_world_size)`` through its own hook."""
+    pattern = re.compile(rf"^{re.escape(group)}\.rank_(\d+)(\.|$)")
+    ranks = sorted({int(m.group(1)) for k in saved if (m := pattern.match(k))})
+    if not ranks:
+        raise CheckpointError(
+            f"{location} holds {group!r} as one value for all ranks, but this run declares it "
+            "per-rank (per_rank_states): pass it in states= to load it, as it was saved"
+        )
+    saved_world, world, rank = len(ranks), dist.world_size(), dist.rank()
+    if saved_world != world and hasattr(obj.obj, "reshard_state_dict"):
+        return {rank_key(i): _fresh(obj.obj.state_dict()) for i in range(saved_world)}, (
+            "reshard",
+            saved_world,
+        )
+    if saved_world != world and rank == 0:
+        logger.warning(
+            "checkpoint: %r saved by %d ranks, restored on %d: rank r takes saved rank r %% %d",
+            group,
+            saved_world,
+            world,
+            saved_world,
+        )
+    return {rank_key(rank % saved_world): obj.obj.state_dict()}, ("take", rank % saved_world)
+
+
+def _fresh(value: Any) -> Any:
+    """A copy whose tensors are new (several ranks' values load into one template)."""
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    return value
 
 
 def load_hf(store: Any, name: str, model: ModelState, hf: HFCodec | None) -> None:
@@ -156,7 +239,7 @@ _RNG_FIELD_MAX = 1 << 20  # an RNG state is a few KiB; a larger one is not an RN
 def _rng_template(metadata: Any, rank: int, location: str) -> Any:
     """What to load saved rank ``rank``'s RNG state into: its fields (tensors of the saved
     shapes), or the single value of dcpkit 0.1's pickled blob."""
-    prefix = f"{RNG}.{rng_key(rank)}"
+    prefix = f"{RNG}.{rank_key(rank)}"
     fields: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if key == prefix:

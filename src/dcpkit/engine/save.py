@@ -18,7 +18,7 @@ from dcpkit.engine.async_save import AsyncCheckpointer
 from dcpkit.engine.policy import steps_to_delete
 from dcpkit.engine.publish import Published, StepInfo, delete_steps, write_and_publish
 from dcpkit.engine.restore import HFCodec
-from dcpkit.engine.states import ModelState, Stateful, capture_rng, rng_key
+from dcpkit.engine.states import ModelState, Stateful, capture_rng, rank_key
 from dcpkit.layout import DTYPES, MODEL, RNG, staging_name, step_name
 from dcpkit.manifest import build_manifest
 
@@ -47,7 +47,7 @@ def collect(
     for name, obj in states.items():
         state[name] = obj.state_dict()
     if rng:
-        state[RNG] = {rng_key(dist.rank()): capture_rng()}
+        state[RNG] = {rank_key(dist.rank()): capture_rng()}
     return state
 
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+import xxhash
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -23,7 +24,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
+from dcpkit import dist
 from dcpkit.layout import DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, RNG
 from dcpkit.safe_pickle import load_legacy_rng
 
@@ -105,12 +108,31 @@ class SchedulerState:
             sched.load_state_dict(dict(state_dict))
 
 
+class PerRank:
+    """A state whose value differs between ranks (a sampler's position, a data iterator):
+    saved under rank-specific keys ``NAME.rank_R``, so that no rank's value is lost.
+
+    At another world size, rank ``r`` restores the value saved by rank ``r % saved_world_size``
+    (logged), unless the object has ``reshard_state_dict(saved, rank, world_size)``: it then
+    receives every saved rank's state dict, in rank order, and returns its own."""
+
+    def __init__(self, obj: Stateful) -> None:
+        self.obj = obj
+
+    def state_dict(self) -> dict[str, Any]:
+        return {rank_key(dist.rank()): self.obj.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state_dict)
+
+
 def collect_states(
     model: nn.Module | Sequence[nn.Module],
     optimizer: Any,
     lr_scheduler: Any,
     dataloader: Stateful | None,
     states: dict[str, Stateful] | None,
+    per_rank_states: dict[str, Stateful] | None = None,
 ) -> dict[str, Stateful]:
     """The state groups a checkpoint holds besides the model, by their top-level names."""
     out: dict[str, Stateful] = {}
@@ -120,15 +142,73 @@ def collect_states(
         out[LR_SCHEDULER] = SchedulerState(lr_scheduler)
     if dataloader is not None:
         out[DATALOADER] = dataloader
-    for name, obj in (states or {}).items():
-        if name in out or name in (MODEL, RNG):
-            raise ValueError(f"state name {name!r} is reserved by CheckpointManager")
+    given = [(n, o, False) for n, o in (states or {}).items()]
+    given += [(n, o, True) for n, o in (per_rank_states or {}).items()]
+    for name, obj, per_rank in given:
+        if name in out or name in (MODEL, RNG) or "." in name:
+            raise ValueError(f"state name {name!r} is reserved by CheckpointManager or taken")
         if not isinstance(obj, Stateful):
             raise TypeError(
                 f"states[{name!r}] must have state_dict() and load_state_dict(), "
                 f"got {type(obj).__name__}"
             )
-        out[name] = obj
+        out[name] = PerRank(obj) if per_rank else obj
+    return out
+
+
+def fingerprint(value: Any) -> str:
+    """A digest of a (nested) state dict's content: tensors by dtype, shape and bytes."""
+    h = xxhash.xxh3_64()
+
+    def feed(v: Any) -> None:
+        if isinstance(v, DTensor):
+            h.update(b"dtensor")  # sharded on purpose: each rank holds its own shard
+        elif torch.is_tensor(v):
+            t = v.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(v, dict):
+            for k in sorted(v, key=repr):
+                h.update(repr(k).encode())
+                feed(v[k])
+        elif isinstance(v, list | tuple):
+            h.update(f"[{len(v)}".encode())
+            for x in v:
+                feed(x)
+        else:
+            h.update(repr(v).encode())
+
+    feed(value)
+    return h.hexdigest()
+
+
+def check_same_on_every_rank(states: dict[str, Stateful], state: dict[str, Any]) -> None:
+    """A state every rank saves under one key is kept once: it must be the same on every rank,
+    or the other ranks' values would be lost. Raises naming the state and how to declare it."""
+    from dcpkit.errors import CheckpointError
+
+    names = [n for n, o in states.items() if n != OPTIMIZER and not isinstance(o, PerRank)]
+    differing = differing_states(state, names)
+    if differing:
+        name, ranks = next(iter(differing.items()))
+        raise CheckpointError(
+            f"states[{name!r}] differs between ranks (rank 0 and rank "
+            f"{', '.join(map(str, ranks))}): a checkpoint keeps one copy of it, so the other "
+            f"ranks' values would be lost. Declare it per-rank: CheckpointManager(..., "
+            f"per_rank_states={{{name!r}: ...}})"
+        )
+
+
+def differing_states(state: dict[str, Any], names: list[str]) -> dict[str, list[int]]:
+    """The states in ``names`` whose value is not the same on every rank: ``{name: ranks that
+    differ from rank 0}`` (DCP keeps one rank's copy of a key every rank saves)."""
+    mine = {name: fingerprint(state[name]) for name in names if name in state}
+    everyone = dist.all_gather_object(mine)
+    out: dict[str, list[int]] = {}
+    for name in mine:
+        ranks = [r for r, theirs in enumerate(everyone) if theirs.get(name) != everyone[0][name]]
+        if ranks:
+            out[name] = ranks
     return out
 
 
@@ -197,5 +277,5 @@ def rng_source_rank(rank: int, saved_world_size: int) -> tuple[int, int]:
     return rank % saved_world_size, rank // saved_world_size
 
 
-def rng_key(rank: int) -> str:
+def rank_key(rank: int) -> str:
     return f"rank_{rank}"

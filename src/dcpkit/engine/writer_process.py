@@ -50,18 +50,30 @@ class WriterProcess:
         self._ready = False
         self._sent_plan: tuple[list[WriteItem], dict[str, Any]] | None = None
 
-    def _expect(self, kind: str) -> Any:
-        died = RuntimeError(
-            f"the checkpoint writer process died (exit code {self.process.exitcode}); "
-            'a script that starts it needs an `if __name__ == "__main__":` guard'
+    def _died(self) -> RuntimeError:
+        self.process.join(timeout=5)
+        code = self.process.exitcode
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        elif code is not None:
+            how = f"exited with code {code}"
+        else:
+            how = "stopped answering"
+        hint = (
+            '; a script that starts it needs an `if __name__ == "__main__":` guard'
+            if not self._ready
+            else ""
         )
+        return RuntimeError(f"the checkpoint writer process {how}{hint}")
+
+    def _expect(self, kind: str) -> Any:
         while not self.conn.poll(1.0):
             if not self.process.is_alive():
-                raise died
+                raise self._died()
         try:
             reply = self.conn.recv()
         except EOFError:
-            raise died from None
+            raise self._died() from None
         if reply[0] == "error":
             raise RuntimeError(reply[1])
         if reply[0] != kind:
@@ -88,7 +100,10 @@ class WriterProcess:
             staged = dataclasses.replace(staged, items=[], mappings={})
         else:
             self._sent_plan = (list(staged.items), dict(staged.mappings))
-        self.conn.send(("save", staged, same))
+        try:
+            self.conn.send(("save", staged, same))
+        except (BrokenPipeError, OSError):
+            raise self._died() from None
         self._expect("saved")
 
     def stop(self) -> None:

@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from dcpkit.dist import quiet_single_process
 from dcpkit.errors import first_failure
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
-from dcpkit.layout import METADATA
+from dcpkit.layout import MANIFEST, METADATA, MODEL, is_model_key
+from dcpkit.manifest import parse_manifest
 from dcpkit.safe_pickle import UnsafeCheckpoint, check_inside, load_metadata, load_value
 
 Opener = Callable[[Path], Any]
@@ -81,6 +82,12 @@ class DCPCheckpoint:
                 self.objects.append(fqn)
         self._files: dict[str, Any] = {}
         self._checked: set[str] = set()
+        self.groups = _manifest_groups(self.path)
+        """The state groups besides the model that the manifest lists (user states included)."""
+
+    def is_model_key(self, key: str) -> bool:
+        """A model parameter: not optimizer, scheduler, ..., nor a state the manifest lists."""
+        return is_model_key(key, self.groups)
 
     # -- description
 
@@ -309,6 +316,24 @@ class _LazySavePlanner(DefaultSavePlanner):
         tensor = self._produce(fqn, rows).to(td.properties.dtype).contiguous()
         self._on_written(tensor.numel() * tensor.element_size())
         return tensor
+
+
+_MANIFEST_MAX = 64 << 20
+
+
+def _manifest_groups(folder: Path) -> frozenset[str]:
+    """Non-model groups named by the folder's manifest (none without a usable manifest)."""
+    path = folder / MANIFEST
+    try:
+        if not path.is_file() or path.stat().st_size > _MANIFEST_MAX:
+            return frozenset()
+        manifest, problems = parse_manifest(path.read_bytes())
+    except OSError:
+        return frozenset()
+    groups = (manifest or {}).get("groups") if not problems else None
+    if not isinstance(groups, list):
+        return frozenset()
+    return frozenset(g for g in groups if isinstance(g, str) and g != MODEL)
 
 
 def write_dcp(

@@ -272,6 +272,14 @@ class CheckpointStore(ABC):
     def delete(self, name: str) -> None:
         """Delete a checkpoint so that no crash can leave it looking complete."""
 
+    def endpoint(self) -> str | None:
+        """The server the store talks to, for messages (None for a local folder)."""
+        return None
+
+    def space(self) -> tuple[int, int] | None:
+        """``(free, total)`` bytes where the store writes, where it can tell."""
+        return None
+
     def uncommitted_reason(self, name: str) -> str | None:
         """Why a written checkpoint is not published, where the store can tell."""
         return None

@@ -71,6 +71,12 @@ class FsspecStore(CheckpointStore):
     def __reduce__(self) -> Any:
         return (FsspecStore, (self.root, self.storage_options))
 
+    def endpoint(self) -> str | None:
+        opts = self.storage_options
+        url = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+        url = url or os.environ.get("AWS_ENDPOINT_URL")
+        return f"{url} ({self.root})" if url else self.root
+
     def _explain(self, url: str, e: Exception) -> str:
         return scrub(_explain(url, e), self.storage_options)
 

@@ -118,6 +118,7 @@ class LocalStore(CheckpointStore):
             return checksum_stream(f)
 
     def write_bytes(self, name: str, data: bytes) -> None:
+        self._p(name).parent.mkdir(parents=True, exist_ok=True)
         write_durably(self._p(name), data)
 
     def remove(self, name: str) -> None:
@@ -125,6 +126,16 @@ class LocalStore(CheckpointStore):
 
     def check_reachable(self) -> None:
         return None
+
+    def space(self) -> tuple[int, int] | None:
+        path = self.path
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        try:
+            usage = shutil.disk_usage(path)
+        except OSError:
+            return None
+        return usage.free, usage.total
 
     def begin(
         self, name: str, step: int | None = None, kill_pid: int | None = None, is_dir: bool = True

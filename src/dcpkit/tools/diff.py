@@ -110,7 +110,8 @@ def _diff(sa: Any, sb: Any, family: str, budget: int) -> DiffResult:
         if (sa.kind == HF) != (sb.kind == HF):
             mapped = _Mapped(sa if sa.kind == HF else sb, family)
             other = sb if sa.kind == HF else sa
-            keep = [n for n in other.names() if is_model_key(n)]
+            model_key = getattr(other, "is_model_key", is_model_key)
+            keep = [n for n in other.names() if model_key(n)]
             skipped = len(other.names()) - len(keep)
             if skipped:
                 result.notes.append(

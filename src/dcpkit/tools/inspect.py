@@ -11,7 +11,7 @@ JSON output (``--json``), stable across versions (fields are only ever added)::
       "problems": [str],          # what makes it incomplete
       "tensors": [{"name", "group", "dtype", "shape": [int], "bytes", "shards"}],
       "objects": [str],           # non-tensor values (DCP), by key
-      "groups": {"model" | "optimizer" | "other": {"tensors": int, "bytes": int}},
+      "groups": {"model" | "optimizer" | USER STATE | "other": {"tensors": int, "bytes": int}},
       "files": [{"name", "bytes", "rank": int | null}],
       "total_bytes": int          # bytes of all files
     }
@@ -25,17 +25,21 @@ from typing import Any
 
 from dcpkit.formats.sources import DCP, open_source
 from dcpkit.integrity import verify_checkpoint
-from dcpkit.layout import is_model_key, parse_step
+from dcpkit.layout import NON_MODEL_GROUPS, is_model_key, parse_step
 from dcpkit.storage import open_location
 from dcpkit.units import human_bytes
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
-def _group(name: str) -> str:
-    if is_model_key(name):
+def _group(name: str, groups: frozenset[str]) -> str:
+    """``model``, ``optimizer``, a user state's own group (named by the manifest), or ``other``."""
+    head = name.split(".", 1)[0]
+    if is_model_key(name, groups):
         return "model"
-    return "optimizer" if name.startswith("optimizer.") else "other"
+    if head == "optimizer" or (head in groups and head not in NON_MODEL_GROUPS):
+        return head
+    return "other"
 
 
 def inspect_path(
@@ -62,7 +66,7 @@ def _describe(store: Any, entry: str, p: Path, location: str, trust_pickle: bool
             tensors.append(
                 {
                     "name": name,
-                    "group": _group(name),
+                    "group": _group(name, getattr(source, "groups", frozenset())),
                     "dtype": str(dtype).removeprefix("torch."),
                     "shape": shape,
                     "bytes": n,

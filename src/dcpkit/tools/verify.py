@@ -23,10 +23,12 @@ def report_lines(report: VerifyReport) -> list[str]:
     lines = [f"note: {note}" for note in report.notes]
     if report.ok:
         what = "sizes and checksums" if report.checksummed else "sizes"
-        lines.append(
-            f"OK: {report.path} ({report.kind}): structure intact, {what} of "
-            f"{report.files_checked} file(s) match"
+        checked = (
+            f"{what} of {report.files_checked} file(s) match"
+            if report.files_checked
+            else "no manifest, so no file sizes or checksums to compare"
         )
+        lines.append(f"OK: {report.path} ({report.kind}): structure intact, {checked}")
         return lines
     lines.append(f"FAILED: {report.path} ({report.kind}): {len(report.problems)} problem(s)")
     lines += [f"  {problem}" for problem in report.problems]

@@ -207,6 +207,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.checkpoint.create_seed_checkpoint:
             path = self.checkpoint.save_seed_checkpoint()
+            self.checkpoint.close()
             logger.info("seed checkpoint written to %s", path)
             return 0
         model, optimizer, scheduler, state = self.model, self.optimizer, self.scheduler, self.state

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dcpkit.convert.adapters.base import ConversionError, KeyPlan, ModelAdapter, RopePermute
+from dcpkit.convert.adapters.hf import HFNamesAdapter
 from dcpkit.convert.adapters.llama3 import Llama3Adapter
 from dcpkit.convert.adapters.qwen3 import Qwen3Adapter
 
-_ADAPTERS: dict[str, ModelAdapter] = {a.family: a for a in (Llama3Adapter(), Qwen3Adapter())}
+_ADAPTERS: dict[str, ModelAdapter] = {
+    a.family: a for a in (Llama3Adapter(), Qwen3Adapter(), HFNamesAdapter())
+}
 
 
 def get_adapter(family: str) -> ModelAdapter:

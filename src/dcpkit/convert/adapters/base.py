@@ -105,6 +105,14 @@ def decoder_hf_config(
     }
 
 
+_HF_NAMED = re.compile(r"^(model\.)?(embed_tokens\.|layers\.\d+\.(self_attn|mlp)\.)")
+
+
+def rotary_buffer(key: str) -> bool:
+    """A rotary embedding's cached frequencies, which some exports carry as a tensor."""
+    return key.endswith("rotary_emb.inv_freq")
+
+
 def _compile(pattern: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
 
@@ -230,6 +238,14 @@ class ModelAdapter(ABC):
         self, shapes: dict[str, tuple[int, ...]], args: Any, flavor: str, where: str
     ) -> KeyPlan:
         """Source (TorchTitan) keys with their shapes -> HF keys; errors name every problem."""
+        named = next((k for k in shapes if _HF_NAMED.match(k)), None)
+        if named is not None:
+            raise ConversionError(
+                f"{where} holds Hugging Face-named parameters (e.g. {named}): the checkpoint of "
+                "a transformers model, not of TorchTitan's "
+                f"{self.family}. Export it with --model hf --config CONFIG_JSON (the model's "
+                "config.json)"
+            )
         canon = {}
         for key in shapes:
             c = self.canonical(key)

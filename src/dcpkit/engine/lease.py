@@ -1,0 +1,165 @@
+"""One writer per checkpoint folder: a lease that a run holds while it may save.
+
+Two runs saving into one folder (a second start by mistake, a scheduler's retry while the first
+still runs) delete each other's in-flight steps as leftovers and interleave saves and retention.
+So rank 0 of a run that saves takes a lease first: ``.dcpkit-lease`` in the folder, with host,
+pid, run id, start time and a heartbeat renewed by a background thread (object stores have no
+locks; a heartbeat works on every store). A run that finds a live lease stops at start, naming
+the holder. A lease whose holder is gone (a dead pid on this host, or a heartbeat older than
+``lease_timeout_s``) is taken over, and the takeover is logged. Leftovers are cleaned only after
+the lease is held, so they are never another live run's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from dcpkit.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+LEASE = ".dcpkit-lease"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Lease:
+    """The lease of ``store`` for this run (rank 0 only)."""
+
+    def __init__(self, store: Any, timeout_s: float) -> None:
+        self.store, self.timeout_s = store, timeout_s
+        self.record = {
+            "run_id": uuid.uuid4().hex,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            "heartbeat": time.time(),
+        }
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost: str | None = None
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            data = self.store.read_bytes(LEASE) if self.store.exists(LEASE) else None
+            holder = json.loads(data) if data else None
+        except (OSError, ValueError):
+            return None  # unreadable: treated as no lease (it is rewritten below)
+        return holder if isinstance(holder, dict) else None
+
+    def _write(self) -> None:
+        self.record["heartbeat"] = time.time()
+        self.store.write_bytes(LEASE, json.dumps(self.record).encode())
+
+    def holder_alive(self, holder: dict[str, Any]) -> bool:
+        if holder.get("host") == self.record["host"] and isinstance(holder.get("pid"), int):
+            return _pid_alive(holder["pid"])
+        heartbeat = holder.get("heartbeat")
+        return isinstance(heartbeat, int | float) and time.time() - heartbeat < self.timeout_s
+
+    def acquire(self) -> None:
+        """Take the lease, or raise naming the run that holds it."""
+        holder = self._read()
+        if holder is not None and holder.get("run_id") != self.record["run_id"]:
+            if self.holder_alive(holder):
+                raise CheckpointError(self._in_use(holder))
+            logger.warning(
+                "checkpoint: taking over the lease of %s from run %s (host %s, pid %s): its "
+                "holder is gone",
+                self.store.root,
+                holder.get("run_id"),
+                holder.get("host"),
+                holder.get("pid"),
+            )
+        self.store.check_reachable()
+        self._write()
+        time.sleep(min(0.2, self.timeout_s / 10))
+        winner = self._read()  # two runs that started at once: the last write wins
+        if winner is None or winner.get("run_id") != self.record["run_id"]:
+            raise CheckpointError(self._in_use(winner or {}))
+        self._thread = threading.Thread(target=self._renew, name="dcpkit-lease", daemon=True)
+        self._thread.start()
+
+    def _in_use(self, holder: dict[str, Any]) -> str:
+        age = time.time() - float(holder.get("heartbeat") or 0)
+        started = time.strftime(
+            "%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("started") or 0))
+        )
+        return (
+            f"{self.store.root} is in use by another run (run {holder.get('run_id')}, host "
+            f"{holder.get('host')}, pid {holder.get('pid')}, started {started}, heartbeat "
+            f"{age:.0f}s ago): two runs saving into one folder destroy each other's "
+            "checkpoints. Wait for it to finish, stop it, or use another [checkpoint] folder; "
+            f"a lease whose holder is gone is taken over (after {self.timeout_s:.0f}s without "
+            "a heartbeat from another host)"
+        )
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.timeout_s / 4):
+            try:
+                holder = self._read()
+                if holder is not None and holder.get("run_id") != self.record["run_id"]:
+                    self.lost = (
+                        f"{self.store.root}: run {holder.get('run_id')} (host "
+                        f"{holder.get('host')}, pid {holder.get('pid')}) took over this run's "
+                        "lease (was this run paused longer than lease_timeout_s?)"
+                    )
+                    logger.error("checkpoint: %s", self.lost)
+                    return
+                self._write()
+            except Exception as e:  # a transient store error: try again at the next beat
+                logger.warning(
+                    "checkpoint: could not renew the lease of %s: %s", self.store.root, e
+                )
+
+    def check(self) -> None:
+        """Raise when another run took the lease over: this run must not save any more."""
+        if self.lost is not None:
+            raise CheckpointError(self.lost)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        try:
+            holder = self._read()
+            if holder is not None and holder.get("run_id") == self.record["run_id"]:
+                self.store.remove(LEASE)
+        except Exception as e:  # never fail a run's end over its lease; it expires anyway
+            logger.warning("checkpoint: could not release the lease of %s: %s", self.store.root, e)
+
+
+def take_lease(store: Any, timeout_s: float) -> Lease | None:
+    """Every rank: rank 0 takes the lease (the others get None); raises on every rank when the
+    folder is in use."""
+    from dcpkit import dist
+
+    lease = Lease(store, timeout_s) if dist.rank() == 0 else None
+    error = dist.first_rank_error(lease.acquire if lease else lambda: None, (CheckpointError,))
+    if error:
+        raise CheckpointError(error)
+    return lease
+
+
+def check_lease(lease: Lease | None) -> None:
+    """Every rank, before a save: raise on every rank if another run took the lease over."""
+    from dcpkit import dist
+
+    error = dist.broadcast_object(lease.lost if lease is not None else None)
+    if error:
+        raise CheckpointError(error)

@@ -1,0 +1,117 @@
+"""One writer per checkpoint folder: a run holds a lease; a second run on a folder in use stops
+naming the holder while the first finishes unharmed; a lease whose holder is gone is taken over.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import BUCKET, CONFIG, read_metrics, run_train, torchrun_env
+from dcpkit import CheckpointError
+from dcpkit.engine.lease import LEASE, Lease
+from dcpkit.launch import torchrun_command
+from dcpkit.storage import open_store
+
+
+def test_a_live_lease_is_refused_and_a_dead_one_taken_over(tmp_path, caplog):
+    store = open_store(tmp_path)
+    first = Lease(store, timeout_s=30)
+    first.acquire()
+    second = Lease(store, timeout_s=30)
+    with pytest.raises(CheckpointError, match=r"is in use by another run .* pid \d+"):
+        second.acquire()
+    first.release()
+    assert not store.exists(LEASE)
+    second.acquire()
+    second.release()
+    # A holder on this host whose pid is gone: taken over at once, and said so.
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
+    record = {
+        "run_id": "old",
+        "host": first.record["host"],
+        "pid": int(dead),
+        "started": 0,
+        "heartbeat": time.time(),
+    }
+    store.write_bytes(LEASE, json.dumps(record).encode())
+    with caplog.at_level(logging.WARNING, logger="dcpkit"):
+        third = Lease(store, timeout_s=30)
+        third.acquire()
+    assert "taking over the lease" in caplog.text and "run old" in caplog.text
+    third.release()
+    # Another host: alive while its heartbeat is fresh, gone once it is older than the timeout.
+    record.update(host="elsewhere", heartbeat=time.time())
+    store.write_bytes(LEASE, json.dumps(record).encode())
+    with pytest.raises(CheckpointError, match="host elsewhere"):
+        Lease(store, timeout_s=30).acquire()
+    record.update(heartbeat=time.time() - 31)
+    store.write_bytes(LEASE, json.dumps(record).encode())
+    fourth = Lease(store, timeout_s=30)
+    fourth.acquire()
+    fourth.release()
+
+
+def _second_run_is_refused(folder: str, tmp_path, reference_run, lease_exists) -> None:
+    """A runs alone; B starts on A's folder while A runs, and must stop; A is unharmed."""
+    dump_a, dump_b = tmp_path / "a", tmp_path / "b"
+    args = ["--job.config_file", str(CONFIG), "--checkpoint.folder", folder]
+    first = subprocess.Popen(
+        torchrun_command(2, [*args, "--job.dump_folder", str(dump_a)]),
+        env=torchrun_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while not lease_exists() and time.time() < deadline:
+        time.sleep(0.2)
+    second = run_train(2, dump_b, "--checkpoint.folder", folder, check=False)
+    out_a, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, out_a[-3000:]
+    assert second.returncode != 0
+    text = second.stdout + second.stderr
+    assert "is in use by another run" in text and "pid" in text and "host" in text, text
+    ref, got = read_metrics(reference_run), read_metrics(dump_a)
+    assert [got[s]["loss"] for s in range(1, 21)] == [ref[s]["loss"] for s in range(1, 21)]
+
+
+def _stale_lease_is_taken_over(folder: str, tmp_path, reference_run) -> None:
+    dump = tmp_path / "killed"
+    args = ("--checkpoint.folder", folder)
+    proc = run_train(2, dump, *args, env={"DCPKIT_FAILPOINT": "before_publish:10:0"}, check=False)
+    assert proc.returncode != 0
+    proc = run_train(2, dump, *args)
+    assert "taking over the lease" in proc.stdout and f"loaded {folder}/step-5" in proc.stdout
+    ref, got = read_metrics(reference_run), read_metrics(dump)
+    assert [got[s]["loss"] for s in range(6, 21)] == [ref[s]["loss"] for s in range(6, 21)]
+
+
+@pytest.mark.dist
+def test_one_writer_per_local_folder(reference_run, tmp_path):
+    folder = str(tmp_path / "shared" / "checkpoint")
+    lease = tmp_path / "shared" / "checkpoint" / LEASE
+    _second_run_is_refused(folder, tmp_path, reference_run, lease.exists)
+    assert open_store(folder).published_steps() == [10, 15, 20]
+    assert not lease.exists()  # released at the end of the run
+    _stale_lease_is_taken_over(str(tmp_path / "again" / "checkpoint"), tmp_path, reference_run)
+
+
+@pytest.mark.dist
+def test_one_writer_per_s3_folder(s3, reference_run, tmp_path):
+    folder = f"s3://{BUCKET}/lease/checkpoint"
+
+    def lease_exists() -> bool:
+        s3.invalidate_cache()
+        return s3.exists(f"{BUCKET}/lease/checkpoint/{LEASE}")
+
+    _second_run_is_refused(folder, tmp_path, reference_run, lease_exists)
+    assert open_store(folder).published_steps() == [10, 15, 20]
+    _stale_lease_is_taken_over(f"s3://{BUCKET}/lease-again/checkpoint", tmp_path, reference_run)
