@@ -339,3 +339,16 @@ def test_a_newer_manifest_format_is_named(tmp_path):
     assert "has format 'dcpkit-checkpoint/99'" in text and "upgrade" in text
     with pytest.raises(CheckpointError, match="dcpkit-checkpoint/99"):
         _load(tmp_path, verify_on_load=False)
+
+
+def test_credentials_never_appear_in_messages(monkeypatch):
+    from dcpkit.storage.fsspec import FsspecStore, scrub
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "ENV-SECRET-VALUE")
+    options = {"key": "AKIA-KEY-VALUE", "secret": "OPTION-SECRET", "client_kwargs": {"x": 1}}
+    text = scrub("denied for AKIA-KEY-VALUE / OPTION-SECRET / ENV-SECRET-VALUE", options)
+    assert text == "denied for *** / *** / ***"
+    # Every message a store builds from an error goes through it.
+    store = FsspecStore("memory://bucket/run", options)
+    message = store._explain(store.root, PermissionError("bad signature for OPTION-SECRET"))
+    assert "OPTION-SECRET" not in message and message.endswith("bad signature for ***")
