@@ -101,8 +101,8 @@ def restore(
     want_rng = not model_only and rng and RNG not in excluded
     rng_saved = any(_RNG_KEY.match(k) for k in saved)
     missing = [g for g in wanted if not has_group(g)]
-    if want_rng and not rng_saved and manifest is not None:
-        missing.append(RNG)  # a dcpkit checkpoint saved without it: the streams would differ
+    if want_rng and not rng_saved and manifest is not None and not manifest.get("model_only"):
+        missing.append(RNG)  # a full dcpkit checkpoint saved without it: the streams would differ
     if missing:
         raise CheckpointError(_missing_message(location, missing, manifest, saved))
     per_rank: dict[str, tuple[str, int]] = {}
@@ -118,7 +118,8 @@ def restore(
         if rng_plan is not None:
             template[RNG] = {rank_key(rng_plan[0]): _rng_template(metadata, rng_plan[0], location)}
     elif want_rng:
-        logger.warning("checkpoint: %s holds no RNG state (not written by dcpkit)", location)
+        why = "a model-only save" if (manifest or {}).get("model_only") else "not written by dcpkit"
+        logger.warning("checkpoint: %s holds no RNG state (%s); RNG starts fresh", location, why)
     try:
         with dist.quiet_single_process():
             dcp.load(
