@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -23,24 +24,27 @@ def test_a_live_lease_is_refused_and_a_dead_one_taken_over(tmp_path, caplog):
     store = open_store(tmp_path)
     first = Lease(store, timeout_s=30)
     first.acquire()
-    second = Lease(store, timeout_s=30)
-    with pytest.raises(CheckpointError, match=r"is in use by another run .* pid \d+"):
-        second.acquire()
+    assert json.loads(store.read_bytes(LEASE))["run_id"] == first.record["run_id"]
     first.release()
     assert not store.exists(LEASE)
-    second.acquire()
-    second.release()
+    # Another live process on this host (our parent) holds it: refused, naming it.
+    record = {
+        "run_id": "other",
+        "host": first.record["host"],
+        "pid": os.getppid(),
+        "started": 0,
+        "heartbeat": time.time(),
+    }
+    store.write_bytes(LEASE, json.dumps(record).encode())
+    with pytest.raises(CheckpointError, match=rf"in use by another run .* pid {os.getppid()}"):
+        Lease(store, timeout_s=30).acquire()
+    with pytest.raises(CheckpointError, match="in use by another run"):
+        Lease(store, timeout_s=30).check()
     # A holder on this host whose pid is gone: taken over at once, and said so.
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     ).stdout.strip()
-    record = {
-        "run_id": "old",
-        "host": first.record["host"],
-        "pid": int(dead),
-        "started": 0,
-        "heartbeat": time.time(),
-    }
+    record.update(run_id="old", pid=int(dead))
     store.write_bytes(LEASE, json.dumps(record).encode())
     with caplog.at_level(logging.WARNING, logger="dcpkit"):
         third = Lease(store, timeout_s=30)

@@ -191,7 +191,7 @@ def test_retention_and_leftovers(tmp_path):
     mgr = _manager(tmp_path, model, opt, sched, counter, interval=1, keep_latest_k=2)
     assert open_store(folder).incomplete_names() == []  # cleaned when the manager starts
     _train(model, opt, sched, counter, 4, mgr)
-    mgr.wait()  # old steps are deleted in the background
+    mgr.close()  # old steps are deleted in the background; the folder's lease is released
     assert open_store(folder).published_steps() == [3, 4]
     assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
 

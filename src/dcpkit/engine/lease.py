@@ -72,10 +72,21 @@ class Lease:
         heartbeat = holder.get("heartbeat")
         return isinstance(heartbeat, int | float) and time.time() - heartbeat < self.timeout_s
 
+    def check(self) -> None:
+        """Raise naming the holder when another live process holds the lease (reads only)."""
+        holder = self._read()
+        if holder is not None and not self._same_process(holder) and self.holder_alive(holder):
+            raise CheckpointError(self._in_use(holder))
+
+    def _same_process(self, holder: dict[str, Any]) -> bool:
+        return (holder.get("host"), holder.get("pid")) == (self.record["host"], self.record["pid"])
+
     def acquire(self) -> None:
         """Take the lease, or raise naming the run that holds it."""
         holder = self._read()
-        if holder is not None and holder.get("run_id") != self.record["run_id"]:
+        if holder is not None and self._same_process(holder):
+            pass  # another manager of this process: the newest one saves (the other may not)
+        elif holder is not None and holder.get("run_id") != self.record["run_id"]:
             if self.holder_alive(holder):
                 raise CheckpointError(self._in_use(holder))
             logger.warning(
@@ -127,11 +138,6 @@ class Lease:
                     "checkpoint: could not renew the lease of %s: %s", self.store.root, e
                 )
 
-    def check(self) -> None:
-        """Raise when another run took the lease over: this run must not save any more."""
-        if self.lost is not None:
-            raise CheckpointError(self.lost)
-
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -142,6 +148,15 @@ class Lease:
                 self.store.remove(LEASE)
         except Exception as e:  # never fail a run's end over its lease; it expires anyway
             logger.warning("checkpoint: could not release the lease of %s: %s", self.store.root, e)
+
+
+def check_free(store: Any, timeout_s: float) -> None:
+    """Every rank: raise on every rank when another live run holds the folder's lease."""
+    from dcpkit import dist
+
+    error = dist.first_rank_error(Lease(store, timeout_s).check, (CheckpointError,))
+    if error:
+        raise CheckpointError(error)
 
 
 def take_lease(store: Any, timeout_s: float) -> Lease | None:

@@ -22,7 +22,7 @@ from torch import nn
 from dcpkit import dist
 from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.engine import load as load_plan
-from dcpkit.engine.lease import check_lease, take_lease
+from dcpkit.engine.lease import check_free, check_lease, take_lease
 from dcpkit.engine.policy import config_problem, should_save
 from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.restore import HFCodec, restore
@@ -78,7 +78,9 @@ class CheckpointManager:
         writes = config.enable and not config.load_only
         if config.enable:
             load_plan.check_reachable(self.store)
-        self._lease = take_lease(self.store, config.lease_timeout_s) if writes else None
+        if writes:  # a folder in use by another live run: stop now, before anything is written
+            check_free(self.store, config.lease_timeout_s)
+        self._lease: Any = None  # taken at the first save
         if writes and self.rank == 0:
             self.store.remove_incomplete()  # the lease is ours: leftovers are dead runs'
         dist.barrier()
@@ -165,6 +167,7 @@ class CheckpointManager:
         """Save at ``step`` if the policy says so (or ``force``). Returns whether it saved."""
         if self._saver is None or not self.should_save(step, last_step, force):
             return False
+        self._lease = self._lease or take_lease(self.store, self.config.lease_timeout_s)
         check_lease(self._lease)
         model_only = last_step and self.config.last_save_model_only
         state = self.collect(model_only=model_only)
