@@ -80,7 +80,8 @@ class CheckpointManager:
             load_plan.check_reachable(self.store)
         if writes:  # a folder in use by another live run: stop now, before anything is written
             check_free(self.store, config.lease_timeout_s)
-        self._lease: Any = None  # taken at the first save
+        self._lease: Any = None
+        self._leased = False  # taken at the first save
         if writes and self.rank == 0:
             self.store.remove_incomplete()  # the lease is ours: leftovers are dead runs'
         dist.barrier()
@@ -139,8 +140,7 @@ class CheckpointManager:
         )
 
     def verify(self, path: str | Path) -> list[str]:
-        """Problems with the checkpoint at ``path``; every rank checksums its share of the
-        files. Empty when it is intact."""
+        """Problems with the checkpoint at ``path`` (ranks split the checksums); empty if intact."""
         store, name = open_location(path, self.config.storage_options)
         return load_plan.verify_everywhere(store, name, require_commit=False)
 
@@ -167,7 +167,8 @@ class CheckpointManager:
         """Save at ``step`` if the policy says so (or ``force``). Returns whether it saved."""
         if self._saver is None or not self.should_save(step, last_step, force):
             return False
-        self._lease = self._lease or take_lease(self.store, self.config.lease_timeout_s)
+        if not self._leased:  # every rank: rank 0 holds the lease, the others know it is held
+            self._lease, self._leased = take_lease(self.store, self.config.lease_timeout_s), True
         check_lease(self._lease)
         model_only = last_step and self.config.last_save_model_only
         state = self.collect(model_only=model_only)
@@ -227,8 +228,7 @@ class CheckpointManager:
         )
 
     def wait(self) -> None:
-        """Block until every save so far is durable and old steps are deleted (raising an
-        asynchronous save's error, naming its step)."""
+        """Block until every save is durable and old steps deleted (raising a save's error)."""
         if self._saver is not None:
             self._saver.wait()
             self._saver.wait_for_deletions()
