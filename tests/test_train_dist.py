@@ -149,7 +149,8 @@ def test_sigkill_during_save_resumes_from_previous_step(reference_run, tmp_path,
     assert proc.returncode != 0
     folder = dump / "checkpoint"
     assert open_store(folder).published_steps() == [5]
-    assert open_store(folder).incomplete_names() == [".tmp-step-10"]
+    # What the crash left, unless the surviving rank removed it before torchrun stopped it too.
+    assert open_store(folder).incomplete_names() in ([".tmp-step-10"], [])
     assert open_store(folder).latest_step() == 5
 
     proc = run_train(2, dump)

@@ -7,6 +7,7 @@ per_rank_states.py FOLDER undeclared # the same sampler in states=: the save mus
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -60,6 +61,8 @@ def main() -> None:
             print("POSITIONS " + json.dumps(positions), flush=True)
     mgr.close()
     torch_dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter finalization, where gloo's threads can abort
 
 
 if __name__ == "__main__":
