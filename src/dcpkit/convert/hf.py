@@ -111,7 +111,7 @@ def write_hf_folder(
 ) -> tuple[ConversionResult, Any, dict[str, torch.dtype]]:
     """Write the model of ``src`` into the empty folder ``dest``: safetensors shards and their
     index, ``config.json``, ``generation_config.json`` and the tokenizer files."""
-    tok = find_tokenizer(Path(tokenizer)) if tokenizer else None
+    tok = find_tokenizer(Path(tokenizer), args.max_seq_len) if tokenizer else None
     keys = [k for k in src.tensors if src.is_model_key(k)]
     if not keys:
         raise ConversionError(f"{name or src.path} holds no model parameters")

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
+_EOS_NAMES = (EOS, "</s>", "<|endoftext|>", "<eos>")
 DEFAULT_CORPUS_BYTES = 6_000_000
 _TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".toml"}
 
@@ -83,8 +84,10 @@ def _read_text(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
-def _fingerprint(files: list[Path], vocab_size: int) -> str:
+def _fingerprint(files: list[Path], vocab_size: int, tokenizer: str = "") -> str:
     digest = hashlib.sha256(f"v1 vocab={vocab_size}".encode())
+    if tokenizer:  # the trained tokenizer's cache keys stay as they were
+        digest.update(b"tokenizer:" + tokenizer.encode())
     for path in files:
         digest.update(str(path).encode())
         digest.update(path.read_bytes())
@@ -126,14 +129,32 @@ class Corpus:
     fingerprint: str
 
 
-def prepare_corpus(vocab_size: int, dataset_path: str | None = None) -> Corpus:
+def _given_tokenizer(path: str, vocab_size: int) -> Any:
+    from dcpkit.convert.tokenizer import load_tokenizer
+
+    tokenizer, kind = load_tokenizer(path)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise ConfigError(
+            f"[model] tokenizer_path {path} ({kind}) has {size} tokens, more than the model's "
+            f"vocabulary of {vocab_size}; use a flavor with a vocabulary that large"
+        )
+    return tokenizer
+
+
+def prepare_corpus(
+    vocab_size: int, dataset_path: str | None = None, tokenizer_path: str | None = None
+) -> Corpus:
     """Tokenizer and token stream for the corpus, from the cache when present.
 
-    Safe to call from several processes: results are written atomically, and a process that finds
-    them cached reads them. Call it on one rank first, then on the rest after a barrier.
+    ``tokenizer_path``: tokenize with that tokenizer (any kind ``load_tokenizer`` reads) instead
+    of training one. Safe to call from several processes: results are written atomically, and a
+    process that finds them cached reads them. Call it on one rank first, then on the rest after
+    a barrier.
     """
     files = corpus_files(dataset_path)
-    key = _fingerprint(files, vocab_size)
+    given = _given_tokenizer(tokenizer_path, vocab_size) if tokenizer_path else None
+    key = _fingerprint(files, vocab_size, given.to_str() if given else "")
     folder = cache_dir() / f"corpus-{key}"
     tok_path, ids_path = folder / "tokenizer.json", folder / "tokens.npy"
     if tok_path.exists() and ids_path.exists():
@@ -141,19 +162,29 @@ def prepare_corpus(vocab_size: int, dataset_path: str | None = None) -> Corpus:
 
     from tokenizers import Tokenizer
 
-    logger.info(
-        "training a %d-token BPE tokenizer on %d files (cached in %s)",
-        vocab_size,
-        len(files),
-        folder,
+    if given is not None:
+        logger.info(
+            "tokenizing %d files with %s (cached in %s)", len(files), tokenizer_path, folder
+        )
+        tokenizer = given
+    else:
+        logger.info(
+            "training a %d-token BPE tokenizer on %d files (cached in %s)",
+            vocab_size,
+            len(files),
+            folder,
+        )
+        tokenizer = train_tokenizer(files, vocab_size)
+    eos = next(
+        (tokenizer.token_to_id(n) for n in _EOS_NAMES if tokenizer.token_to_id(n) is not None),
+        None,
     )
-    tokenizer = train_tokenizer(files, vocab_size)
-    eos = tokenizer.token_to_id(EOS)
     encoded = tokenizer.encode_batch([_read_text(p) for p in files], add_special_tokens=False)
     pieces = []
     for enc in encoded:
         pieces.append(np.asarray(enc.ids, dtype=np.int32))
-        pieces.append(np.asarray([eos], dtype=np.int32))
+        if eos is not None:
+            pieces.append(np.asarray([eos], dtype=np.int32))
     tokens = np.concatenate(pieces)
     tokenizer_json = tokenizer.to_str()
     Tokenizer.from_str(tokenizer_json)  # fail here, not in a later run, if it does not round-trip
