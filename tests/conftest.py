@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as torch_dist
 
 from dcpkit.launch import torchrun_command
+from dcpkit.train.metrics import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "llama3_debugmodel.toml"
@@ -72,12 +73,7 @@ def run_script(
 
 def read_metrics(dump: Path) -> dict[int, dict]:
     """Per step, the last record written (a resumed run rewrites the steps after its checkpoint)."""
-    records: dict[int, dict] = {}
-    with open(dump / "metrics.jsonl") as f:
-        for line in f:
-            rec = json.loads(line)
-            records[rec["step"]] = rec
-    return records
+    return read_run(dump).steps
 
 
 def copy_checkpoint(src_dump: Path, step: int, dst_dump: Path) -> None:

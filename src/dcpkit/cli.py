@@ -31,6 +31,20 @@ def _cmd_list(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _cmd_plot(args: argparse.Namespace, rest: list[str]) -> int:
+    from dcpkit.tools.plot import plot_paths
+
+    print(plot_paths(args.runs, args.output, names=args.names))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
+    from dcpkit.tools.report import render_report
+
+    print(render_report(args.run, args.output, compare=args.compare, verify=not args.quick))
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
     import json
 
@@ -278,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer_path",
         "--tokenizer-path",
         dest="tokenizer",
-        help="tokenizer.json (or a folder of tokenizer files) to ship with the model",
+        help="tokenizer to ship with the model: tokenizer.json, a folder of tokenizer files, or "
+        "a tokenizer.model (Llama 3's tiktoken or SentencePiece), converted to tokenizer.json",
     )
     _add_dtype(p, "checkpoint's")
     p.add_argument("--max-shard-size", "--max_shard_size", default="5GB", metavar="SIZE")
@@ -333,6 +348,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="also recompute checksums (default: sizes and structure)",
     )
     p.set_defaults(func=_cmd_list, passthrough=False)
+
+    p = sub.add_parser("plot", help="loss, lr and checkpoint stall of runs, overlaid, as a PNG")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="a run's dump folder (metrics.jsonl)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.png")
+    p.add_argument("--names", nargs="+", metavar="NAME", help="legend names, one per run")
+    p.set_defaults(func=_cmd_plot, passthrough=False)
+
+    p = sub.add_parser("report", help="a self-contained HTML page about a run")
+    p.add_argument("run", help="the run's dump folder (metrics.jsonl, checkpoint folder)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.html")
+    p.add_argument(
+        "--compare", nargs="+", default=[], metavar="RUN", help="runs to overlay on its plot"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="check checkpoints' sizes and structure, no checksums"
+    )
+    p.set_defaults(func=_cmd_report, passthrough=False)
     return parser
 
 

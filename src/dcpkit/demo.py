@@ -6,7 +6,6 @@ Every figure printed is read back from the runs' own ``metrics.jsonl`` and check
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import sys
@@ -16,7 +15,10 @@ from pathlib import Path
 from dcpkit.cli import main as cli_main
 from dcpkit.launch import run_training
 from dcpkit.storage import open_store
+from dcpkit.tools.plot import plot_runs
+from dcpkit.tools.report import render_report
 from dcpkit.train import CONFIGS
+from dcpkit.train.metrics import read_run
 
 CONFIG = CONFIGS / "llama3_debugmodel.toml"
 OUT = Path("demo_out")
@@ -34,12 +36,7 @@ def train(nproc: int, dump: Path, *overrides: str) -> None:
 
 
 def metrics(dump: Path) -> dict[int, dict]:
-    out = {}
-    with open(dump / "metrics.jsonl") as f:
-        for line in f:
-            rec = json.loads(line)
-            out[rec["step"]] = rec
-    return out
+    return read_run(dump).steps
 
 
 def main() -> int:
@@ -165,6 +162,18 @@ def main() -> int:
     if code != 0:
         return code
     generate(hf)
+
+    banner("6. the loss curves, overlaid, and a report of the resumed run")
+    names = ["uninterrupted (2 ranks)", "stopped at 10, resumed (2)", "resumed from 10 on 1 rank"]
+    quoted = " ".join(f'"{n}"' for n in names)
+    print(
+        f"    $ dcpkit plot {full} {interrupted} {one_rank} -o {OUT / 'loss.png'} --names {quoted}"
+    )
+    plot_runs([read_run(full), read_run(interrupted), read_run(one_rank)], OUT / "loss.png", names)
+    print(f"    $ dcpkit report {interrupted} -o {OUT / 'report.html'} --compare {full}")
+    render_report(interrupted, OUT / "report.html", compare=[full])
+    print(f"    loss curves: {(OUT / 'loss.png').resolve()}")
+    print(f"    report:      {(OUT / 'report.html').resolve()} (self-contained; open it anywhere)")
     print(f"\n    outputs in {OUT.resolve()}  ({time.time() - start:.0f}s)")
     return 0 if bitwise and worst < 1e-3 else 1
 

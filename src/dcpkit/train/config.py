@@ -14,6 +14,7 @@ from dcpkit.config import (
     section_from_dict,
     section_to_dict,
 )
+from dcpkit.train import CONFIGS
 
 
 @dataclass
@@ -30,6 +31,9 @@ class Model:
     """Model family."""
     flavor: str = "debugmodel"
     """Named size within the family."""
+    tokenizer_path: str = ""
+    """A tokenizer.json, a folder of Hugging Face tokenizer files, or a tokenizer.model (Llama 3's
+    tiktoken file or SentencePiece); empty trains a byte-level BPE on the corpus."""
 
 
 @dataclass
@@ -119,6 +123,28 @@ class Parallelism:
 
 
 @dataclass
+class Metrics:
+    log_freq: int = 10
+    """Print a step's line, and send it to TensorBoard / W&B, every this many steps (and at the
+    first step, at checkpoints and at the last step); metrics.jsonl gets every step."""
+    enable_tensorboard: bool = False
+    """Write TensorBoard scalars: loss, lr, grad norm, tokens/s, checkpoint stall."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder under the dump folder; a resumed run appends to it."""
+    enable_wandb: bool = False
+    """Log to Weights & Biases (needs the wandb package; offline unless WANDB_MODE says so)."""
+
+    def __post_init__(self) -> None:
+        if self.log_freq < 1:
+            raise ConfigError(f"[metrics] log_freq must be >= 1, got {self.log_freq}")
+        if not self.save_tb_folder or Path(self.save_tb_folder).is_absolute():
+            raise ConfigError(
+                f"[metrics] save_tb_folder must be a folder name under the dump folder, got "
+                f"{self.save_tb_folder!r}"
+            )
+
+
+@dataclass
 class TrainConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -127,6 +153,7 @@ class TrainConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: Metrics = field(default_factory=Metrics)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: section_to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -171,8 +198,14 @@ def load_config(argv: list[str]) -> TrainConfig:
     data: dict[str, dict[str, Any]] = {}
     if config_file:
         path = Path(config_file)
+        if not path.is_file() and (shipped := CONFIGS / config_file).is_file():
+            path = shipped  # a config shipped with the package, by name
         if not path.is_file():
-            raise ConfigError(f"--job.config_file {config_file!r} does not exist")
+            known = ", ".join(sorted(p.name for p in CONFIGS.glob("*.toml")))
+            raise ConfigError(
+                f"--job.config_file {config_file!r} does not exist (configs shipped with dcpkit, "
+                f"usable by name: {known})"
+            )
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)

@@ -5,7 +5,6 @@ torchrun --nproc-per-node 2 -m dcpkit.train --job.config_file configs/llama3_deb
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -22,11 +21,13 @@ import torch.nn.functional as F
 
 from dcpkit import CheckpointError, CheckpointManager, ConfigError, HFModel, dist
 from dcpkit.engine.async_save import AsyncSaveError
+from dcpkit.layout import step_name
 from dcpkit.models import build_model, flavors
 from dcpkit.train.config import TrainConfig, load_config
 from dcpkit.train.data import GlobalBatchLoader, TokenSamples, prepare_corpus
 from dcpkit.train.grad import clip_grad_norm_
 from dcpkit.train.lr import build_scheduler
+from dcpkit.train.metrics import MetricsLogger
 from dcpkit.train.parallelize import build_mesh, device_for_rank, mesh_shape, parallelize
 
 logger = logging.getLogger("dcpkit.train")
@@ -76,40 +77,11 @@ def _setup_logging(rank: int) -> None:
 def _prepare_data(cfg: TrainConfig, vocab_size: int, rank: int):
     # Rank 0 trains the tokenizer and tokenizes once; the others read the cache it leaves.
     if rank == 0:
-        corpus = prepare_corpus(vocab_size, cfg.training.dataset_path)
+        corpus = prepare_corpus(vocab_size, cfg.training.dataset_path, cfg.model.tokenizer_path)
     dist.barrier()
     if rank != 0:
-        corpus = prepare_corpus(vocab_size, cfg.training.dataset_path)
+        corpus = prepare_corpus(vocab_size, cfg.training.dataset_path, cfg.model.tokenizer_path)
     return corpus
-
-
-class MetricsWriter:
-    """One JSON object per step in ``metrics.jsonl`` (rank 0), and a readable line."""
-
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.enabled = enabled
-        self.file = open(path, "a") if enabled else None  # noqa: SIM115
-
-    def write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        saved = "  [checkpoint saved]" if record["checkpoint_saved"] else ""
-        logger.info(
-            "step %4d | loss %.6f | lr %.2e | tokens %9d | %.2fs/step | ckpt stall %.3fs%s",
-            record["step"],
-            record["loss"],
-            record["lr"],
-            record["tokens_seen"],
-            record["step_time_s"],
-            record["checkpoint_stall_s"],
-            saved,
-        )
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
 
 
 class Trainer:
@@ -159,7 +131,7 @@ class Trainer:
         hf_model = HFModel(
             cfg.model.name,
             flavors(cfg.model.name)[cfg.model.flavor],
-            tokenizer=str(self.dump / "tokenizer.json"),
+            tokenizer=cfg.model.tokenizer_path or str(self.dump / "tokenizer.json"),
         )
         if ck.create_seed_checkpoint:
             self.checkpoint = CheckpointManager(ck, self.dump, model, hf_model=hf_model)
@@ -211,11 +183,20 @@ class Trainer:
             logger.info("seed checkpoint written to %s", path)
             return 0
         model, optimizer, scheduler, state = self.model, self.optimizer, self.scheduler, self.state
-        self.checkpoint.load()
+        loaded = self.checkpoint.load()
         if state.step:
             logger.info("resuming after step %d (%d tokens seen)", state.step, state.ntokens_seen)
         dp_group = self.mesh["dp_shard"].get_group() if self.dp > 1 else None
-        metrics = MetricsWriter(self.dump / "metrics.jsonl", self.rank == 0)
+        metrics = MetricsLogger(cfg, self.dump, self.rank == 0)
+        metrics.start(
+            self.world,
+            resumed_from=state.step if loaded is not None else None,
+            layout={"dp_shard": self.dp, "tp": self.tp},
+            saved_world_size=self._saved_world_size(loaded),
+        )
+        async_mode = cfg.checkpoint.async_mode
+        if async_mode == "disabled":
+            async_mode = "sync"
         tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
         try:
             while state.step < cfg.training.steps:
@@ -248,8 +229,22 @@ class Trainer:
                 saved = self.checkpoint.save(
                     step, last_step=step == cfg.training.steps, force=stop_here
                 )
-                stall += time.perf_counter() - stall0
-                metrics.write(
+                save_s = time.perf_counter() - stall0
+                stall += save_s
+                if saved:
+                    last = step == cfg.training.steps
+                    metrics.event(
+                        {
+                            "event": "save",
+                            "step": step,
+                            "mode": "sync" if last or stop_here else async_mode,
+                            "model_only": last and cfg.checkpoint.last_save_model_only,
+                            "save_call_s": save_s,
+                            "stall_s": stall,
+                        }
+                    )
+                step_time = time.perf_counter() - t0
+                metrics.step(
                     {
                         "step": step,
                         "loss": global_loss.item(),
@@ -259,8 +254,10 @@ class Trainer:
                         "world_size": self.world,
                         "checkpoint_stall_s": stall,
                         "checkpoint_saved": saved,
-                        "step_time_s": time.perf_counter() - t0,
-                    }
+                        "step_time_s": step_time,
+                        "tokens_per_s": tokens_per_step / step_time,
+                    },
+                    last=step == cfg.training.steps or stop_here,
                 )
                 if stop_here:
                     logger.info("stopping after step %d (training.stop_at_step)", step)
@@ -269,6 +266,16 @@ class Trainer:
             self.checkpoint.close()
             metrics.close()
         return state.step
+
+    def _saved_world_size(self, step: int | None) -> int | None:
+        """The world size that wrote the checkpoint of ``step`` (rank 0 only; None if unknown)."""
+        if step is None or self.rank != 0:
+            return None
+        try:
+            manifest, _ = self.checkpoint.store.read_manifest(step_name(step))
+        except Exception:  # only shown in the metrics; the load itself has already succeeded
+            return None
+        return (manifest or {}).get("world_size")
 
 
 def main(argv: list[str] | None = None) -> int:
