@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint fuzz venv clean
+.PHONY: demo test lint fuzz venv clean report-check wheel-check
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -22,6 +22,16 @@ test: $(STAMP)
 
 fuzz: $(STAMP)
 	$(PY) benchmarks/fuzz.py --mutants 5000 --seed 1
+
+# The report rendered by a real headless Chromium (Debian's package; installed here when missing).
+report-check: $(STAMP)
+	@command -v chromium >/dev/null || { test "$$(id -u)" = 0 && apt-get install -y -q chromium >/dev/null; } \
+		|| { echo "report-check needs Chromium: apt-get install chromium" >&2; exit 1; }
+	$(PY) -m pytest -q tests/test_ecosystem.py
+
+# A wheel from a clean clone, installed into a fresh venv, run from outside the repository.
+wheel-check: $(STAMP)
+	bash .ci/wheel-check
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

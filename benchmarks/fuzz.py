@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -267,11 +268,14 @@ def worker(batch_file: str) -> None:
 
 
 def run(count: int, seed: int, workdir: Path, workers: int = 2) -> dict:
+    from dcpkit.progress import progress
+
     start = time.perf_counter()
     seeds = make_seeds(workdir / "seeds")
     mutants = make_mutants(seeds, workdir / "mutants", count, seed)
     pending = {m["id"]: m for m in mutants}
     outcomes: dict[int, dict] = {}
+    bar = progress(len(mutants), "fuzz", unit="mutant")
     while pending:
         ids = sorted(pending)
         chunks = [ids[i::workers] for i in range(workers)]
@@ -290,10 +294,25 @@ def run(count: int, seed: int, workdir: Path, workers: int = 2) -> dict:
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             cmd = [sys.executable, __file__, "--worker", str(batch)]
             procs.append((chunk, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)))
-        for chunk, proc in procs:
-            out, _ = proc.communicate()
+        lines: dict[int, list[str]] = {}
+
+        def drain(n: int, proc: subprocess.Popen, out: dict[int, list[str]]) -> None:
+            for line in proc.stdout:
+                out.setdefault(n, []).append(line)
+                bar.update(1)
+            proc.wait()
+
+        readers = [
+            threading.Thread(target=drain, args=(n, proc, lines))
+            for n, (_, proc) in enumerate(procs)
+        ]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        for n, (chunk, proc) in enumerate(procs):
             done = set()
-            for line in out.splitlines():
+            for line in lines.get(n, []):
                 rec = json.loads(line)
                 outcomes[rec["id"]] = rec["results"]
                 done.add(rec["id"])
@@ -303,6 +322,7 @@ def run(count: int, seed: int, workdir: Path, workers: int = 2) -> dict:
                 crashed = next(i for i in chunk if i not in done)
                 outcomes[crashed] = {"worker": ["crash", proc.returncode]}
                 pending.pop(crashed)
+    bar.close()
     tally: Counter = Counter()
     findings = []
     for i, res in sorted(outcomes.items()):

@@ -14,6 +14,7 @@ from dcpkit.formats.sources import DCP, HF, detect_kind
 from dcpkit.formats.structure import dcp_problems, hf_problems, torch_file_problems
 from dcpkit.layout import MANIFEST
 from dcpkit.manifest import CHECKSUM_ALGORITHM, Problem
+from dcpkit.progress import progress
 from dcpkit.safe_pickle import UnsafeCheckpoint, check_file_name
 
 
@@ -103,34 +104,52 @@ def check_files(
     checksums: bool = True,
 ) -> list[Problem]:
     """Sizes and checksums of the manifest's files (``names``: only these files' checksums)."""
-    problems = []
-    for name, expected in manifest["files"].items():
-        try:
-            check_file_name(name, MANIFEST)
-        except UnsafeCheckpoint:
-            problems.append(Problem(MANIFEST, f"names {name!r}, outside the checkpoint folder"))
-            continue
-        if not isinstance(expected, dict):
-            problems.append(Problem(MANIFEST, f"has no size and checksum for {name}"))
-            continue
-        path = f"{folder}/{name}" if folder else name
-        st = store.stat(path)
-        if st is None or st.is_dir:
-            problems.append(Problem(name, "is missing"))
-            continue
-        if st.size != expected.get("size"):
-            problems.append(
-                Problem(
-                    name,
-                    f"has {st.size} bytes, the manifest says {expected.get('size')}: "
-                    "truncated or replaced",
-                )
-            )
-            continue
-        if not checksums or (names is not None and name not in names):
-            continue
-        if expected.get(CHECKSUM_ALGORITHM) != store.checksum(path):
-            problems.append(
-                Problem(name, "checksum mismatch: the file's bytes changed after it was written")
-            )
+    problems: list[Problem] = []
+    files = manifest["files"]
+    total = sum(
+        e.get("size", 0)
+        for n, e in files.items()
+        if checksums
+        and isinstance(e, dict)
+        and isinstance(e.get("size"), int)
+        and (names is None or n in names)
+    )
+    with progress(total, "checksums") as bar:
+        for name, expected in files.items():
+            problems += _check_file(store, folder, name, expected, names, checksums)
+            if isinstance(expected, dict) and isinstance(expected.get("size"), int):
+                bar.update(expected["size"] if checksums else 0)
     return problems
+
+
+def _check_file(
+    store: Any,
+    folder: str,
+    name: str,
+    expected: Any,
+    names: list[str] | None,
+    checksums: bool,
+) -> list[Problem]:
+    try:
+        check_file_name(name, MANIFEST)
+    except UnsafeCheckpoint:
+        return [Problem(MANIFEST, f"names {name!r}, outside the checkpoint folder")]
+    if not isinstance(expected, dict):
+        return [Problem(MANIFEST, f"has no size and checksum for {name}")]
+    path = f"{folder}/{name}" if folder else name
+    st = store.stat(path)
+    if st is None or st.is_dir:
+        return [Problem(name, "is missing")]
+    if st.size != expected.get("size"):
+        return [
+            Problem(
+                name,
+                f"has {st.size} bytes, the manifest says {expected.get('size')}: "
+                "truncated or replaced",
+            )
+        ]
+    if not checksums or (names is not None and name not in names):
+        return []
+    if expected.get(CHECKSUM_ALGORITHM) != store.checksum(path):
+        return [Problem(name, "checksum mismatch: the file's bytes changed after it was written")]
+    return []

@@ -4,15 +4,16 @@ the store's publish path, the memory budget, and the progress bar."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
+from dcpkit.progress import progress
 from dcpkit.storage import PendingStep, open_location
+
+__all__ = ["DEFAULT_BUDGET", "output", "progress", "row_blocks"]
 
 DEFAULT_BUDGET = 256 << 20
 """Bytes of tensor data a conversion holds at once (a larger tensor is moved in row blocks)."""
@@ -31,20 +32,6 @@ def row_blocks(
     row_bytes = n // shape[0]
     step = max(granularity, (budget // row_bytes) // granularity * granularity)
     return [(a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
-
-
-def progress(total_bytes: int, desc: str) -> tqdm:
-    """A byte progress bar on stderr, shown only on a terminal."""
-    return tqdm(
-        total=total_bytes,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc=desc,
-        file=sys.stderr,
-        disable=not sys.stderr.isatty(),
-        leave=False,
-    )
 
 
 @contextlib.contextmanager
