@@ -10,12 +10,9 @@ import subprocess
 import sys
 
 from dcpkit import __version__
+from dcpkit.errors import CLIError, describe_error
 from dcpkit.layout import DTYPES, parse_dtype
 from dcpkit.units import human_bytes, parse_size
-
-
-class CLIError(Exception):
-    """An error for the person at the terminal: what, why, how to fix."""
 
 
 def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
@@ -368,25 +365,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _describe(e: Exception) -> str:
-    """One paragraph for the terminal: what went wrong and, where it helps, how to fix it."""
-    if isinstance(e, PermissionError):
-        return (
-            f"permission denied: {e.filename or e}; check the file's owner and mode, or run "
-            "as a user who can read (and, for outputs, write) it"
-        )
-    if isinstance(e, IsADirectoryError | NotADirectoryError):
-        return f"{e.filename}: {e.strerror.lower() if e.strerror else e}"
-    if isinstance(e, FileNotFoundError) and e.filename:
-        return f"{e.filename} does not exist"
-    text = str(e) or type(e).__name__
-    return (
-        text
-        if isinstance(e, ValueError | OSError | RuntimeError | CLIError)
-        else (f"{type(e).__name__}: {text}")
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -401,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if args.debug:
             raise
-        print(f"dcpkit {args.command}: error: {_describe(e)}", file=sys.stderr)
+        print(f"dcpkit {args.command}: error: {describe_error(e)}", file=sys.stderr)
         return 2
     except BaseException as e:  # torch.distributed.checkpoint wraps failures in a BaseException
         from dcpkit.errors import first_failure
@@ -409,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         inner = first_failure(e)
         if args.debug or inner is e:
             raise
-        print(f"dcpkit {args.command}: error: {_describe(inner)}", file=sys.stderr)  # type: ignore[arg-type]
+        print(f"dcpkit {args.command}: error: {describe_error(inner)}", file=sys.stderr)  # type: ignore[arg-type]
         return 2
 
 

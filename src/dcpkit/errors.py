@@ -1,4 +1,4 @@
-"""The errors dcpkit raises for a checkpoint that cannot be saved or loaded."""
+"""The errors dcpkit raises, and how the command line describes any error in one paragraph."""
 
 
 class CheckpointError(RuntimeError):
@@ -13,3 +13,26 @@ def first_failure(e: BaseException) -> BaseException:
         if isinstance(inner, BaseException):
             return first_failure(inner)
     return e
+
+
+class CLIError(Exception):
+    """An error for the person at the terminal: what, why, how to fix."""
+
+
+def describe_error(e: BaseException) -> str:
+    """One paragraph for the terminal: what went wrong and, where it helps, how to fix it."""
+    if isinstance(e, PermissionError):
+        return (
+            f"permission denied: {e.filename or e}; check the file's owner and mode, or run "
+            "as a user who can read (and, for outputs, write) it"
+        )
+    if isinstance(e, IsADirectoryError | NotADirectoryError):
+        return f"{e.filename}: {e.strerror.lower() if e.strerror else e}"
+    if isinstance(e, FileNotFoundError) and e.filename:
+        return f"{e.filename} does not exist"
+    text = str(e) or type(e).__name__
+    return (
+        text
+        if isinstance(e, ValueError | OSError | RuntimeError | CLIError)
+        else (f"{type(e).__name__}: {text}")
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dcpkit.train.metrics import Run, read_run
+from dcpkit.runlog import Run, read_run
 
 _STYLES = ["-", "--", ":", "-."]
 

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dcpkit.runlog import Run, read_run
 from dcpkit.tools.plot import plot_runs, resumes
-from dcpkit.train.metrics import Run, read_run
 from dcpkit.units import human_bytes
 
 _CSS = """
