@@ -321,10 +321,13 @@ class Llama3(nn.Module):
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage keeps some of the modules (the others are None): it takes the
+        # previous stage's hidden states and returns its own, or the logits on the last stage.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h, self.freqs_cis)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
 
 
 def build_decoder(

@@ -114,12 +114,49 @@ class LRScheduler:
             )
 
 
+PIPELINE_SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "LoopedBFS": 2}
+"""Pipeline schedules (TorchTitan's names) -> default stages per rank."""
+
+
 @dataclass
 class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the FSDP shards (HSDP when > 1): each replica holds a full copy, sharded."""
     data_parallel_shard_degree: int = -1
-    """FSDP degree; -1 uses every rank that tensor parallelism leaves."""
+    """FSDP degree; -1 uses every rank that the other degrees leave."""
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages over this many ranks (torch.distributed.pipelining)."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """GPipe, 1F1B (one stage per rank), Interleaved1F1B or LoopedBFS (several per rank)."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Samples per microbatch; the local batch is split into local_batch / this microbatches."""
+    pipeline_parallel_layers_per_stage: int = 0
+    """Transformer layers per stage; 0: the schedule's stages per rank (1, or 2 if interleaved)
+    over the pipeline ranks, layers spread evenly."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "data_parallel_replicate_degree",
+            "tensor_parallel_degree",
+            "pipeline_parallel_degree",
+            "pipeline_parallel_microbatch_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"[parallelism] {name} must be >= 1, got {getattr(self, name)}")
+        if self.data_parallel_shard_degree < 1 and self.data_parallel_shard_degree != -1:
+            raise ConfigError(
+                "[parallelism] data_parallel_shard_degree must be >= 1 or -1, got "
+                f"{self.data_parallel_shard_degree}"
+            )
+        if self.pipeline_parallel_schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(
+                f"[parallelism] pipeline_parallel_schedule {self.pipeline_parallel_schedule!r} "
+                f"is not one of {', '.join(PIPELINE_SCHEDULES)}"
+            )
+        if self.pipeline_parallel_layers_per_stage < 0:
+            raise ConfigError("[parallelism] pipeline_parallel_layers_per_stage must be >= 0")
 
 
 @dataclass

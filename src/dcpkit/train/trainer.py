@@ -28,7 +28,8 @@ from dcpkit.train.data import GlobalBatchLoader, TokenSamples, prepare_corpus
 from dcpkit.train.grad import clip_grad_norm_
 from dcpkit.train.lr import build_scheduler
 from dcpkit.train.metrics import MetricsLogger
-from dcpkit.train.parallelize import build_mesh, device_for_rank, mesh_shape, parallelize
+from dcpkit.train.parallelize import build_mesh, device_for_rank, mesh_layout, parallelize
+from dcpkit.train.pipeline import Pipeline
 
 logger = logging.getLogger("dcpkit.train")
 
@@ -93,7 +94,8 @@ class Trainer:
         self.rank, self.world = dist.rank(), dist.world_size()
         _setup_logging(self.rank)
         self.device = device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
-        self.dp, self.tp = mesh_shape(cfg.parallelism, self.world)
+        self.layout = mesh_layout(cfg.parallelism, self.world)
+        self.dp, self.tp = self.layout.dp, self.layout.tp
         self.dump = Path(cfg.job.dump_folder)
         if self.rank == 0:
             self.dump.mkdir(parents=True, exist_ok=True)
@@ -118,13 +120,12 @@ class Trainer:
         model = build_model(cfg.model.name, cfg.model.flavor, max_seq_len=cfg.training.seq_len)
         n_params = sum(p.numel() for p in model.parameters())
         logger.info(
-            "dcpkit train: %s %s (%.2fM parameters) on %d rank(s): dp_shard=%d tp=%d, %s",
+            "dcpkit train: %s %s (%.2fM parameters) on %d rank(s): %s, %s",
             cfg.model.name,
             cfg.model.flavor,
             n_params / 1e6,
             self.world,
-            self.dp,
-            self.tp,
+            self.layout.describe(),
             self.device.type,
         )
         self.model = model
@@ -139,21 +140,61 @@ class Trainer:
         corpus = _prepare_data(cfg, model.args.vocab_size, self.rank)
         if self.rank == 0:
             (self.dump / "tokenizer.json").write_text(corpus.tokenizer_json)
-        self.mesh = build_mesh(self.device.type, self.dp, self.tp)
-        self.model = parallelize(model.to(self.device), self.mesh)
+        layout = self.layout
+        self.pipeline = None
+        if layout.pp > 1 or layout.dp_replicate > 1:
+            self.mesh = build_mesh(self.device.type, layout)
+            dp_rank = (
+                self.mesh["dp_replicate"].get_local_rank() * layout.dp_shard
+                + self.mesh["dp_shard"].get_local_rank()
+            )
+            self.dp_groups = [
+                self.mesh[d].get_group()
+                for d in ("dp_replicate", "dp_shard")
+                if self.mesh[d].size() > 1
+            ]
+        else:  # the plain FSDP (x TP) mesh, as it always was
+            self.mesh = build_mesh(self.device.type, layout.dp_shard, layout.tp)
+            dp_rank = self.mesh["dp_shard"].get_local_rank()
+            self.dp_groups = [self.mesh["dp_shard"].get_group()] if layout.dp_shard > 1 else []
+        if cfg.training.global_batch_size % self.dp:
+            raise ConfigError(
+                f"[training] global_batch_size ({cfg.training.global_batch_size}) must be "
+                f"divisible by the data-parallel degree ({self.dp})"
+            )
+        if layout.pp > 1:
+            self.pipeline = Pipeline(
+                model,
+                self.mesh,
+                cfg.parallelism,
+                self.device,
+                cfg.training.global_batch_size // self.dp,
+            )
+            logger.info(self.pipeline.rule)
+            parts = self.pipeline.parts
+        else:
+            parts = [parallelize(model.to(self.device), self.mesh)]
+        self.parts = parts
+        self.model = parts[0]
         opt = cfg.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=opt.lr,
-            betas=(opt.beta1, opt.beta2),
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
-        )
-        self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, cfg.lr_scheduler)
+        self.optimizers = [
+            torch.optim.AdamW(
+                part.parameters(),
+                lr=opt.lr,
+                betas=(opt.beta1, opt.beta2),
+                eps=opt.eps,
+                weight_decay=opt.weight_decay,
+            )
+            for part in parts
+        ]
+        self.schedulers = [
+            build_scheduler(o, cfg.training.steps, cfg.lr_scheduler) for o in self.optimizers
+        ]
+        self.optimizer, self.scheduler = self.optimizers[0], self.schedulers[0]
         self.loader = GlobalBatchLoader(
             TokenSamples(corpus.tokens, cfg.training.seq_len),
             cfg.training.global_batch_size,
-            dp_rank=self.mesh["dp_shard"].get_local_rank(),
+            dp_rank=dp_rank,
             dp_degree=self.dp,
             seed=cfg.training.seed,
         )
@@ -163,12 +204,13 @@ class Trainer:
         torch.manual_seed(cfg.training.seed + self.rank)
         random.seed(cfg.training.seed + self.rank)
         np.random.seed(cfg.training.seed + self.rank)
+        one = len(parts) == 1  # one model part: passed as itself, as a user would
         self.checkpoint = CheckpointManager(
             ck,
             self.dump,
-            self.model,
-            optimizer=self.optimizer,
-            lr_scheduler=self.scheduler,
+            self.model if one else parts,
+            optimizer=self.optimizer if one else self.optimizers,
+            lr_scheduler=self.scheduler if one else self.schedulers,
             dataloader=self.loader,
             states={"train_state": self.state},
             hf_model=hf_model,
@@ -182,17 +224,30 @@ class Trainer:
             self.checkpoint.close()
             logger.info("seed checkpoint written to %s", path)
             return 0
-        model, optimizer, scheduler, state = self.model, self.optimizer, self.scheduler, self.state
+        model, state = self.model, self.state
         loaded = self.checkpoint.load()
         if state.step:
             logger.info("resuming after step %d (%d tokens seen)", state.step, state.ntokens_seen)
-        dp_group = self.mesh["dp_shard"].get_group() if self.dp > 1 else None
         metrics = MetricsLogger(cfg, self.dump, self.rank == 0)
+        saved_world = self._saved_world_size(loaded)
+        if saved_world is not None and saved_world != self.world:
+            logger.info(
+                "resharding %d -> %d ranks (%s): model and optimizer by parameter name through "
+                "DCP, whatever the saved layout; the dataloader's position is global",
+                saved_world,
+                self.world,
+                self.layout.describe(),
+            )
         metrics.start(
             self.world,
             resumed_from=state.step if loaded is not None else None,
-            layout={"dp_shard": self.dp, "tp": self.tp},
-            saved_world_size=self._saved_world_size(loaded),
+            layout={
+                "pp": self.layout.pp,
+                "dp_replicate": self.layout.dp_replicate,
+                "dp_shard": self.layout.dp_shard,
+                "tp": self.layout.tp,
+            },
+            saved_world_size=saved_world,
         )
         async_mode = cfg.checkpoint.async_mode
         if async_mode == "disabled":
@@ -203,26 +258,34 @@ class Trainer:
                 step = state.step + 1
                 t0 = time.perf_counter()
                 inputs, labels = self.loader.next_batch()
-                logits = model(inputs.to(self.device))
-                loss = F.cross_entropy(
-                    logits.flatten(0, 1).float(), labels.to(self.device).flatten()
-                )
-                loss.backward()
+                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                if self.pipeline is not None:
+                    global_loss = self.pipeline.step(inputs, labels)
+                else:
+                    logits = model(inputs)
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+                    loss.backward()
+                    global_loss = loss.detach().clone()
                 grad_norm = None
                 if cfg.training.max_norm > 0:
-                    grad_norm = clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+                    grad_norm = clip_grad_norm_(
+                        [p for part in self.parts for p in part.parameters()],
+                        cfg.training.max_norm,
+                        pp_group=self.pipeline.pp_group if self.pipeline else None,
+                    )
                 stall0 = time.perf_counter()
                 self.checkpoint.maybe_wait_for_staging()
                 stall = time.perf_counter() - stall0
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                lr = self.scheduler.get_last_lr()[0]
+                for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
                 state.step = step
                 state.ntokens_seen += tokens_per_step
-                global_loss = loss.detach().clone()
-                if dp_group is not None:
-                    torch_dist.all_reduce(global_loss, group=dp_group)
+                for group in self.dp_groups:
+                    torch_dist.all_reduce(global_loss, group=group)
+                if self.dp_groups:
                     global_loss /= self.dp
                 stop_here = step == cfg.training.stop_at_step
                 stall0 = time.perf_counter()
@@ -282,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = load_config(argv)
-        Trainer(cfg).fit()
+        trainer = Trainer(cfg)
+        trainer.fit()
     except (ConfigError, CheckpointError, AsyncSaveError, FileNotFoundError) as e:
         if dist.rank() == 0:
             print(f"error: {e}", file=sys.stderr)
