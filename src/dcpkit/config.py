@@ -72,6 +72,11 @@ class CheckpointConfig:
     throttling), with backoff, before it fails naming the endpoint and the step."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Options for fsspec when ``folder`` is a URL (e.g. ``{endpoint_url = "...", key = ...}``)."""
+    emergency_save: bool = False
+    """On SIGTERM (preemption), every rank finishes its step, saves it durably and exits with
+    code 75; ranks agree on the step each step through one small all-reduce."""
+    emergency_timeout_s: float = 60.0
+    """Grace period after SIGTERM: past it (or at a second SIGTERM) the process exits at once."""
 
     def __post_init__(self) -> None:
         self.async_mode = str(self.async_mode).lower()
@@ -80,6 +85,10 @@ class CheckpointConfig:
         if not self.storage_retry_s >= 0:
             raise ConfigError(
                 f"[checkpoint] storage_retry_s must be >= 0, got {self.storage_retry_s}"
+            )
+        if not self.emergency_timeout_s > 0:
+            raise ConfigError(
+                f"[checkpoint] emergency_timeout_s must be > 0, got {self.emergency_timeout_s}"
             )
         if not self.lease_timeout_s > 0:
             raise ConfigError(

@@ -24,6 +24,7 @@ from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.engine import load as load_plan
 from dcpkit.engine.lease import check_free, check_lease, take_lease
 from dcpkit.engine.policy import config_problem, should_save
+from dcpkit.engine.preempt import Preemption
 from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.restore import HFCodec, restore
 from dcpkit.engine.save import Saver, collect, mesh_info
@@ -87,6 +88,9 @@ class CheckpointManager:
         dist.barrier()
         self._saver = Saver(config.async_mode) if writes else None
         self._async = self._saver.async_ckpt if self._saver is not None else None
+        self._preempt = (
+            Preemption(config.emergency_timeout_s) if writes and config.emergency_save else None
+        )
 
     def state_names(self) -> list[str]:
         return [MODEL, *self.states, *([RNG] if self.save_rng else [])]
@@ -162,6 +166,12 @@ class CheckpointManager:
         ``optimizer.step()``. Only an asynchronous save's memory copy is waited for."""
         if self._saver is not None:
             self._saver.wait_for_staging()
+
+    def preempted(self) -> bool:
+        """With ``emergency_save``: whether SIGTERM reached any rank. A collective: call it on
+        every rank after every step; when True, ``save(step, force=True)``, ``close()``, exit
+        with ``EXIT_PREEMPTED``."""
+        return self._preempt is not None and self._preempt.agreed()
 
     def save(self, step: int, last_step: bool = False, force: bool = False) -> bool:
         """Save at ``step`` if the policy says so (or ``force``). Returns whether it saved."""
@@ -242,6 +252,8 @@ class CheckpointManager:
             finally:
                 if self._lease is not None:
                     self._lease.release()
+                if self._preempt is not None:
+                    self._preempt.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

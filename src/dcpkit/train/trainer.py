@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from dcpkit import CheckpointError, CheckpointManager, ConfigError, HFModel, dist
 from dcpkit.engine.async_save import AsyncSaveError
+from dcpkit.engine.preempt import EXIT_PREEMPTED
 from dcpkit.layout import step_name
 from dcpkit.models import build_model, flavors
 from dcpkit.train.config import TrainConfig, load_config
@@ -217,8 +218,10 @@ class Trainer:
         )
 
     def fit(self) -> int:
-        """Load the latest checkpoint, train to ``training.steps`` (or ``stop_at_step``)."""
+        """Load the latest checkpoint, train to ``training.steps`` (or ``stop_at_step``, or a
+        preemption with ``emergency_save``)."""
         cfg = self.cfg
+        self.preempted = False
         if cfg.checkpoint.create_seed_checkpoint:
             path = self.checkpoint.save_seed_checkpoint()
             self.checkpoint.close()
@@ -322,6 +325,17 @@ class Trainer:
                     },
                     last=step == cfg.training.steps or stop_here,
                 )
+                if self.checkpoint.preempted():
+                    if not saved:
+                        self.checkpoint.save(step, force=True)
+                    metrics.event({"event": "preempted", "step": step})
+                    logger.info(
+                        "preempted (SIGTERM): step %d saved, exiting with code %d",
+                        step,
+                        EXIT_PREEMPTED,
+                    )
+                    self.preempted = True
+                    break
                 if stop_here:
                     logger.info("stopping after step %d (training.stop_at_step)", step)
                     break
@@ -356,4 +370,4 @@ def main(argv: list[str] | None = None) -> int:
     if torch_dist.is_initialized():
         torch_dist.barrier()
         torch_dist.destroy_process_group()
-    return 0
+    return EXIT_PREEMPTED if getattr(trainer, "preempted", False) else 0
