@@ -24,7 +24,10 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_list(args: argparse.Namespace, rest: list[str]) -> int:
     from dcpkit.tools.listing import list_checkpoints, listing_lines
 
-    print("\n".join(listing_lines(list_checkpoints(args.folder, checksums=args.checksums))))
+    listing = list_checkpoints(
+        args.folder, checksums=args.checksums, local_folder=args.local_folder
+    )
+    print("\n".join(listing_lines(listing)))
     return 0
 
 
@@ -343,6 +346,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--checksums",
         action="store_true",
         help="also recompute checksums (default: sizes and structure)",
+    )
+    p.add_argument(
+        "--local-folder",
+        "--local_folder",
+        dest="local_folder",
+        help="the run's memory-tier folder, when not the default (/dev/shm/dcpkit-<hash>)",
     )
     p.set_defaults(func=_cmd_list, passthrough=False)
 

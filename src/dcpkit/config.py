@@ -72,6 +72,15 @@ class CheckpointConfig:
     throttling), with backoff, before it fails naming the endpoint and the step."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Options for fsspec when ``folder`` is a URL (e.g. ``{endpoint_url = "...", key = ...}``)."""
+    local_interval: int = 0
+    """Memory tier: every this many steps each rank writes its shard of the full state to
+    ``local_folder`` (node-local shared memory) in the background; 0 turns it off."""
+    local_folder: str = ""
+    """Memory-tier folder; empty: ``/dev/shm/dcpkit-<hash of the checkpoint folder>``."""
+    local_keep: int = 2
+    """Memory-tier steps kept per rank (and per replica)."""
+    local_replicas: int = 0
+    """1: each rank also holds a copy of a partner rank's memory-tier shard, on another node."""
     emergency_save: bool = False
     """On SIGTERM (preemption), every rank finishes its step, saves it durably and exits with
     code 75; ranks agree on the step each step through one small all-reduce."""
@@ -85,6 +94,16 @@ class CheckpointConfig:
         if not self.storage_retry_s >= 0:
             raise ConfigError(
                 f"[checkpoint] storage_retry_s must be >= 0, got {self.storage_retry_s}"
+            )
+        if self.local_interval < 0:
+            raise ConfigError(
+                f"[checkpoint] local_interval must be >= 0, got {self.local_interval}"
+            )
+        if self.local_keep < 1:
+            raise ConfigError(f"[checkpoint] local_keep must be >= 1, got {self.local_keep}")
+        if self.local_replicas not in (0, 1):
+            raise ConfigError(
+                f"[checkpoint] local_replicas must be 0 or 1, got {self.local_replicas}"
             )
         if not self.emergency_timeout_s > 0:
             raise ConfigError(

@@ -13,7 +13,7 @@ import os
 import signal
 
 ENV = "DCPKIT_FAILPOINT"
-POINTS = ("mid_write", "after_write", "before_publish", "after_publish")
+POINTS = ("mid_write", "after_write", "before_publish", "after_publish", "local_write")
 
 
 def hit(name: str, step: int, rank: int, pid: int | None = None) -> None:

@@ -23,6 +23,7 @@ from dcpkit import dist
 from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.engine import load as load_plan
 from dcpkit.engine.lease import check_free, check_lease, take_lease
+from dcpkit.engine.memory_tier import MemoryTier
 from dcpkit.engine.policy import config_problem, should_save
 from dcpkit.engine.preempt import Preemption
 from dcpkit.engine.publish import StepInfo, write_and_publish
@@ -91,6 +92,8 @@ class CheckpointManager:
         self._preempt = (
             Preemption(config.emergency_timeout_s) if writes and config.emergency_save else None
         )
+        self._memory = MemoryTier(config, self.folder) if writes and config.local_interval else None
+        self.last_memory_step: int | None = None
 
     def state_names(self) -> list[str]:
         return [MODEL, *self.states, *([RNG] if self.save_rng else [])]
@@ -111,6 +114,17 @@ class CheckpointManager:
         plan = dist.broadcast_object(plan)
         if plan.error:
             raise ConfigError(plan.error)
+        if self._memory is not None and self.config.load_step == -1:
+            step = self._memory.recover(plan.step)
+            if step is not None:
+                start = time.perf_counter()
+                loaded = self._restore(self._memory.own, step_name(step), False, own_rank=True)
+                logger.info(
+                    f"checkpoint: loaded step {step} from the memory tier ({', '.join(loaded)}) "
+                    f"in {time.perf_counter() - start:.2f}s"
+                )
+                self.loaded_step = step
+                return step
         if plan.name is None:
             logger.info("checkpoint: %s", plan.reason)
             return None
@@ -131,7 +145,9 @@ class CheckpointManager:
         store, name = open_location(path, self.config.storage_options)
         return self._restore(store, name, model_only)
 
-    def _restore(self, store: Any, name: str, model_only: bool) -> list[str]:
+    def _restore(
+        self, store: Any, name: str, model_only: bool, own_rank: bool = False
+    ) -> list[str]:
         return restore(
             store,
             name,
@@ -141,6 +157,7 @@ class CheckpointManager:
             excluded=self.config.exclude_from_loading,
             rng=self.save_rng,
             hf=self.hf_model,
+            own_rank=own_rank,
         )
 
     def verify(self, path: str | Path) -> list[str]:
@@ -176,6 +193,10 @@ class CheckpointManager:
     def save(self, step: int, last_step: bool = False, force: bool = False) -> bool:
         """Save at ``step`` if the policy says so (or ``force``). Returns whether it saved."""
         if self._saver is None or not self.should_save(step, last_step, force):
+            if self._memory is not None and self._memory.due(step):
+                state = self.collect()
+                self._memory.save(step, state, self.state_names(), mesh_info(self.model))
+                self.last_memory_step = step
             return False
         if not self._leased:  # every rank: rank 0 holds the lease, the others know it is held
             self._lease, self._leased = take_lease(self.store, self.config.lease_timeout_s), True
@@ -254,6 +275,8 @@ class CheckpointManager:
                     self._lease.release()
                 if self._preempt is not None:
                     self._preempt.close()
+                if self._memory is not None:
+                    self._memory.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

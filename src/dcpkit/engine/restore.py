@@ -60,8 +60,11 @@ def restore(
     excluded: Iterable[str] = (),
     rng: bool = True,
     hf: HFCodec | None = None,
+    own_rank: bool = False,
 ) -> list[str]:
-    """Load checkpoint ``name`` of ``store`` into the live state; returns the pieces restored."""
+    """Load checkpoint ``name`` of ``store`` into the live state; returns the pieces restored.
+    ``own_rank``: a checkpoint of this rank alone (the memory tier), read without collectives,
+    its per-rank values and RNG this rank's own."""
     location = store.location(name)
     names = set(store.list_names(name))
     if names & HF_FILES and METADATA not in names:
@@ -108,13 +111,16 @@ def restore(
     per_rank: dict[str, tuple[str, int]] = {}
     for group in wanted:
         obj = states[group]
-        if isinstance(obj, PerRank):
+        if isinstance(obj, PerRank) and own_rank:
+            template[group] = {rank_key(dist.rank()): obj.obj.state_dict()}
+            per_rank[group] = ("take", dist.rank())
+        elif isinstance(obj, PerRank):
             template[group], per_rank[group] = _per_rank_template(obj, group, saved, location)
         else:
             template[group] = obj.state_dict()
     rng_plan = None
     if want_rng and rng_saved:
-        rng_plan = _plan_rng(saved, location)
+        rng_plan = (dist.rank(), 0) if own_rank else _plan_rng(saved, location)
         if rng_plan is not None:
             template[RNG] = {rank_key(rng_plan[0]): _rng_template(metadata, rng_plan[0], location)}
     elif want_rng:
@@ -126,7 +132,7 @@ def restore(
                 template,
                 storage_reader=store.dcp_reader(name),
                 planner=safe_load_planner(),
-                no_dist=not dist.is_dist(),
+                no_dist=own_rank or not dist.is_dist(),
             )
     except CheckpointException as e:  # a BaseException, wrapping what a rank raised
         raise CheckpointError(f"{location}: {first_failure(e)}") from None

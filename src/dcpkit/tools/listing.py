@@ -20,10 +20,29 @@ class NotAFolder(ValueError):
 class Listing:
     root: str
     entries: list[StepEntry]
+    memory_root: str | None = None
+    """This node's memory-tier folder of the run, when it has one."""
+    memory: dict[str, list[int]] | None = None
+    """``{"rank-K" | "replica-of-K": [published steps]}`` in that folder."""
+
+
+def memory_tier(durable_root: str, local_folder: str | None = None) -> tuple[str, dict]:
+    """This node's memory-tier folder of the checkpoint folder ``durable_root`` (the default
+    location unless ``local_folder``) and the steps each rank's part of it holds."""
+    from dcpkit.engine.memory_tier import default_folder, holding_names
+
+    root = local_folder or default_folder(durable_root)
+    found = {}
+    for name in holding_names(root):
+        found[name] = open_store(str(Path(root) / name)).published_steps()
+    return root, found
 
 
 def list_checkpoints(
-    folder: str | Path, checksums: bool = False, storage_options: dict[str, Any] | None = None
+    folder: str | Path,
+    checksums: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    local_folder: str | None = None,
 ) -> Listing:
     """Every checkpoint and leftover under ``folder``; a published one that fails verification
     (sizes and structure, and with ``checksums`` its checksums) is marked CORRUPT."""
@@ -44,7 +63,8 @@ def list_checkpoints(
             report = verify_checkpoint(store, entry.name, checksums=checksums)
             if not report.ok:
                 entry.status = f"CORRUPT ({report.problems[0]})"
-    return Listing(store.root, entries)
+    memory_root, memory = memory_tier(store.root, local_folder)
+    return Listing(store.root, entries, memory_root if memory else None, memory or None)
 
 
 def _human_age(seconds: float) -> str:
@@ -58,13 +78,19 @@ def _human_age(seconds: float) -> str:
 
 
 def listing_lines(listing: Listing) -> list[str]:
-    """What ``dcpkit list`` prints."""
+    """What ``dcpkit list`` prints: the durable tier, then this node's memory tier."""
+    memory = []
+    if listing.memory:
+        memory = [f"memory tier on this node ({listing.memory_root}):"]
+        for name, steps in sorted(listing.memory.items()):
+            shown = ", ".join(map(str, steps)) if steps else "none published"
+            memory.append(f"  {name:<16} steps {shown}")
     if not listing.entries:
-        return [f"{listing.root}: no checkpoints"]
+        return [f"{listing.root}: no checkpoints", *memory]
     now = time.time()
     lines = [f"{'checkpoint':<18} {'step':>8} {'size':>10} {'age':>6}  status"]
     for row in listing.entries:
         step = "" if row.step is None else str(row.step)
         age = _human_age(now - row.mtime) if row.mtime is not None else "-"
         lines.append(f"{row.name:<18} {step:>8} {human_bytes(row.size):>10} {age:>6}  {row.status}")
-    return lines
+    return lines + memory

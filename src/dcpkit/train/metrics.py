@@ -92,9 +92,11 @@ class MetricsLogger:
             return
         self.event(record)
         step = record["step"]
-        if not (step == 1 or step % self.cfg.log_freq == 0 or record["checkpoint_saved"] or last):
+        saves = record["checkpoint_saved"] or record.get("memory_tier_saved")
+        if not (step == 1 or step % self.cfg.log_freq == 0 or saves or last):
             return
         saved = "  [checkpoint saved]" if record["checkpoint_saved"] else ""
+        saved += "  [memory tier]" if record.get("memory_tier_saved") else ""
         logger.info(
             "step %4d | loss %.6f | lr %.2e | tokens %9d | %.2fs/step | ckpt stall %.3fs%s",
             step,

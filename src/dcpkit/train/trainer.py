@@ -297,13 +297,19 @@ class Trainer:
                 )
                 save_s = time.perf_counter() - stall0
                 stall += save_s
-                if saved:
+                in_memory = not saved and self.checkpoint.last_memory_step == step
+                if saved or in_memory:
                     last = step == cfg.training.steps
                     metrics.event(
                         {
                             "event": "save",
                             "step": step,
-                            "mode": "sync" if last or stop_here else async_mode,
+                            "tier": "durable" if saved else "memory",
+                            "mode": "memory"
+                            if in_memory
+                            else "sync"
+                            if last or stop_here
+                            else async_mode,
                             "model_only": last and cfg.checkpoint.last_save_model_only,
                             "save_call_s": save_s,
                             "stall_s": stall,
@@ -320,6 +326,7 @@ class Trainer:
                         "world_size": self.world,
                         "checkpoint_stall_s": stall,
                         "checkpoint_saved": saved,
+                        "memory_tier_saved": in_memory,
                         "step_time_s": step_time,
                         "tokens_per_s": tokens_per_step / step_time,
                     },

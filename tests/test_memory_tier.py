@@ -1,0 +1,170 @@
+"""The memory tier: per-rank steps in node-local shared memory, replicated to a peer on another
+node, chosen over the durable tier when newer and complete; two "nodes" are two torchrun
+launchers with c10d rendezvous on loopback, each with its own local folder."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIG, read_metrics, run_train, torchrun_env
+from dcpkit.runlog import read_run
+
+pytestmark = pytest.mark.dist
+
+TIERS = (
+    "--checkpoint.interval",
+    "5",
+    "--checkpoint.local_interval",
+    "2",
+    "--checkpoint.local_replicas",
+    "1",
+)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node(port: int, dump: Path, local: Path, *args: str, env=None) -> subprocess.Popen:
+    """One "node": a torchrun launcher with one rank, meeting the other through c10d."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=dcpkit-two-nodes",
+        "-m",
+        "dcpkit.train",
+        "--job.config_file",
+        str(CONFIG),
+        "--job.dump_folder",
+        str(dump),
+        "--checkpoint.local_folder",
+        str(local),
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd,
+        env=torchrun_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _two_nodes(dump: Path, locals_: list[Path], *args: str, env=None, timeout=240) -> list[str]:
+    port = _port()
+    procs = [_node(port, dump, local, *args, env=env) for local in locals_]
+    outputs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a node left hanging by its dead peer
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        outputs.append(out)
+    for proc in procs:  # nothing of a killed node survives it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return outputs
+
+
+def test_replaced_node_resumes_from_peer_replicas_bitwise(reference_run, tmp_path):
+    dump = tmp_path / "run"
+    nodes = [tmp_path / "shm-a", tmp_path / "shm-b"]
+    # rank 1 is killed (SIGKILL) while writing step 8 to its memory tier: step 6 is the newest
+    # complete memory step, step 5 the newest durable one
+    _two_nodes(dump, nodes, *TIERS, env={"DCPKIT_FAILPOINT": "local_write:8:1"}, timeout=120)
+    lost = next(n for n in nodes if (n / "rank-1").is_dir())
+    assert (lost / "rank-1" / "step-6").is_dir()
+    shutil.rmtree(lost)  # the node is replaced: its shared memory is gone
+    survivor = next(n for n in nodes if n != lost)
+    assert (survivor / "replica-of-1" / "step-6").is_dir()
+    assert (dump / "checkpoint" / "step-5").is_dir()
+    assert not (dump / "checkpoint" / "step-10").exists()
+
+    outputs = _two_nodes(dump, nodes, *TIERS, "--training.stop_at_step", "9")
+    log = "\n".join(outputs)
+    assert "loaded step 6 from the memory tier" in log, log[-3000:]
+    assert "[1] from their peers' replicas" in log
+    ref, got = read_metrics(reference_run), read_metrics(dump)
+    assert [got[s]["loss"] for s in range(7, 10)] == [ref[s]["loss"] for s in range(7, 10)]
+
+
+def test_kill_during_memory_save_and_a_step_incomplete_on_one_rank(reference_run, tmp_path):
+    dump, local = tmp_path / "run", tmp_path / "shm"
+    args = (*TIERS, "--checkpoint.interval", "100", "--checkpoint.local_folder", str(local))
+    # every rank killed while writing step 6 to memory
+    proc = run_train(2, dump, *args, env={"DCPKIT_FAILPOINT": "local_write:6"}, check=False)
+    assert proc.returncode != 0
+    kept = sorted(p.name for p in (local / "rank-0").iterdir() if p.name.startswith("step-"))
+    assert kept == ["step-2", "step-4"]
+    # step 4 lost on rank 1 and on its replica: it must not be chosen, step 2 is complete
+    shutil.rmtree(local / "rank-1" / "step-4")
+    shutil.rmtree(local / "replica-of-1" / "step-4")
+    proc = run_train(2, dump, *args, "--training.stop_at_step", "6")
+    assert "loaded step 2 from the memory tier" in proc.stdout, proc.stdout[-3000:]
+    ref, got = read_metrics(reference_run), read_metrics(dump)
+    assert [got[s]["loss"] for s in range(3, 7)] == [ref[s]["loss"] for s in range(3, 7)]
+    saves = [e for e in read_run(dump).events if e.get("event") == "save"]
+    assert {e["tier"] for e in saves} == {"memory", "durable"}
+
+
+def test_memory_tier_at_another_world_size_uses_the_durable_tier(tmp_path):
+    dump, local = tmp_path / "run", tmp_path / "shm"
+    args = (*TIERS, "--checkpoint.local_folder", str(local))
+    run_train(2, dump, *args, env={"DCPKIT_FAILPOINT": "local_write:8"}, check=False)
+    assert (local / "rank-0" / "step-6").is_dir()  # newer than the durable step 5
+    proc = run_train(1, dump, *args, "--training.stop_at_step", "6")
+    assert "resuming after step 5" in proc.stdout
+    assert "not used at world size 1" in proc.stdout
+
+
+def test_back_to_back_async_saves_in_both_tiers_finish(tmp_path):
+    """100 steps, an asynchronous durable save every 2 steps and a memory-tier save on every
+    other step: no hang, no collective mismatch (under a timeout)."""
+    dump = tmp_path / "run"
+    run_train(
+        2,
+        dump,
+        "--training.steps",
+        "100",
+        "--training.seq_len",
+        "16",
+        "--training.global_batch_size",
+        "2",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.local_interval",
+        "1",
+        "--checkpoint.local_replicas",
+        "1",
+        "--checkpoint.local_folder",
+        str(tmp_path / "shm"),
+        "--checkpoint.keep_latest_k",
+        "2",
+        "--metrics.log_freq",
+        "50",
+        timeout=420,
+    )
+    saves = [e for e in read_run(dump).events if e.get("event") == "save"]
+    assert len(saves) == 100
+    assert sum(e["tier"] == "memory" for e in saves) == 50
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-100", "step-98"]
