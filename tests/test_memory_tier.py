@@ -168,3 +168,37 @@ def test_back_to_back_async_saves_in_both_tiers_finish(tmp_path):
     assert len(saves) == 100
     assert sum(e["tier"] == "memory" for e in saves) == 50
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-100", "step-98"]
+
+
+def test_sigterm_to_one_node_saves_the_same_step_on_both_and_resumes_bitwise(
+    reference_run, tmp_path
+):
+    """Preemption of one node of two: its launcher forwards SIGTERM to its rank; both ranks
+    agree on the step, save it durably and exit 75; the resume is bitwise."""
+    import json
+    import time
+
+    dump = tmp_path / "run"
+    nodes = [tmp_path / "shm-a", tmp_path / "shm-b"]
+    args = (*TIERS, "--checkpoint.emergency_save", "true")
+    port = _port()
+    procs = [_node(port, dump, local, *args) for local in nodes]
+    metrics = dump / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not (metrics.is_file() and '"step": 3,' in metrics.read_text()):
+        assert time.time() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.1)
+    os.kill(procs[1].pid, signal.SIGTERM)  # the launcher of one node only
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    events = [json.loads(x) for x in metrics.read_text().splitlines()]
+    stops = [e["step"] for e in events if e.get("event") == "preempted"]
+    assert len(stops) == 1, "\n".join(outputs)[-3000:]
+    step = stops[0]
+    manifest = json.loads((dump / "checkpoint" / f"step-{step}" / "dcpkit.json").read_text())
+    assert manifest["world_size"] == 2
+    assert "exitcode  : 75" in "\n".join(outputs)  # the node that was not signalled
+    _two_nodes(dump, nodes, *TIERS, "--training.stop_at_step", str(step + 2))
+    ref, got = read_metrics(reference_run), read_metrics(dump)
+    assert [got[s]["loss"] for s in range(1, step + 3)] == [
+        ref[s]["loss"] for s in range(1, step + 3)
+    ]

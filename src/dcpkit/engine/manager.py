@@ -259,10 +259,13 @@ class CheckpointManager:
         )
 
     def wait(self) -> None:
-        """Block until every save is durable and old steps deleted (raising a save's error)."""
+        """Block until every save is written (durable, or in the memory tier and replicated) and
+        old steps deleted (raising a save's error)."""
         if self._saver is not None:
             self._saver.wait()
             self._saver.wait_for_deletions()
+        if self._memory is not None:
+            self._memory.wait()
 
     def close(self) -> None:
         """Drain pending asynchronous saves (raising their errors) and stop the writer."""

@@ -1,0 +1,271 @@
+"""Recovery benchmark: restore from the memory tier against the durable tier, and the stall of a
+memory-tier save against the copy floor, in one run.
+
+    python benchmarks/recovery.py [--gb 1.5] [--nproc 2] [--json PATH]
+
+A Llama-shaped model + AdamW state of about ``--gb`` GiB, FSDP-sharded over ``--nproc`` ranks
+(torchrun, gloo). Everything timed goes through ``CheckpointManager``'s public API:
+- memory-tier save: the time ``save()`` blocks (median of 4 saves, each after the previous one
+  is written), against the floor: cloning the rank's own tensors;
+- restore (``load()`` of a fresh manager, slowest rank) from the memory tier (node-local
+  ``/dev/shm``, with peer replicas), from the durable tier on local disk with the page cache
+  warm and dropped (the checkpoint's files evicted with ``posix_fadvise``), and from S3 (a moto
+  server on loopback, started by this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(gib: float):
+    """A Llama 3 shaped model (FSDP over every rank) and AdamW with its state materialized."""
+    import torch.distributed as td
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dcpkit.models import build_model
+
+    params = gib * (1 << 30) / 12
+    dim, vocab = 1024, 32000
+    per_layer = 4 * dim * dim + 3 * dim * 2816 + 2 * dim
+    layers = max(1, round((params - 2 * vocab * dim) / per_layer))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build_model(
+            "llama3",
+            "debugmodel",
+            dim=dim,
+            n_layers=layers,
+            n_heads=16,
+            vocab_size=vocab,
+            multiple_of=256,
+            max_seq_len=64,
+        )
+    mesh = init_device_mesh("cpu", (td.get_world_size(),), mesh_dim_names=("dp_shard",))
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _evict(folder: Path) -> None:
+    """Drop the page cache of every file under ``folder`` (what a fresh node would see)."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def worker(gib: float, work: Path) -> None:
+    import torch.distributed as td
+
+    from dcpkit import CheckpointConfig, CheckpointManager
+
+    td.init_process_group("gloo")
+    rank = td.get_rank()
+    model, opt = build(gib)
+    tensors = [_local(p.detach()) for p in model.parameters()]
+    for st in opt.state.values():
+        tensors += [_local(v) for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+    rank_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    floor = []
+    for _ in range(4):
+        start = time.perf_counter()
+        copies = [t.clone() for t in tensors]
+        floor.append(time.perf_counter() - start)
+        del copies
+
+    def manager(folder: str, local: bool, **extra) -> CheckpointManager:
+        cfg = CheckpointConfig(
+            enable=True,
+            folder=folder,
+            interval=10,
+            keep_latest_k=2,
+            local_interval=1 if local else 0,
+            local_replicas=1 if local else 0,
+            local_folder=str(work / "shm"),
+            storage_options=extra,
+        )
+        return CheckpointManager(cfg, work, model, optimizer=opt)
+
+    out: dict = {"rank_bytes": rank_bytes, "copy_floor_s": statistics.median(floor)}
+    # durable step 10 on local disk, then memory-tier steps 11..14 (each written before the next)
+    mgr = manager(str(work / "disk"), local=True)
+    start = time.perf_counter()
+    mgr.save(10)
+    out["durable_save_s"] = time.perf_counter() - start
+    stalls = []
+    for step in range(11, 15):
+        start = time.perf_counter()
+        mgr.save(step)
+        stalls.append(time.perf_counter() - start)
+        mgr.wait()  # off the clock: the next save starts with nothing in flight
+    out["memory_save_stall_s"] = statistics.median(stalls)
+    mgr.close()
+
+    def timed_load(folder: str, local: bool, **extra) -> tuple[float, int | None]:
+        m = manager(folder, local, **extra)
+        td.barrier()
+        start = time.perf_counter()
+        step = m.load()
+        seconds = time.perf_counter() - start
+        m.close()
+        return seconds, step
+
+    out["memory_load_s"], out["memory_step"] = timed_load(str(work / "disk"), local=True)
+    out["disk_warm_load_s"], out["disk_step"] = timed_load(str(work / "disk"), local=False)
+    if rank == 0:
+        _evict(work / "disk")
+    td.barrier()
+    out["disk_cold_load_s"], _ = timed_load(str(work / "disk"), local=False)
+    endpoint = os.environ.get("BENCH_S3_ENDPOINT")
+    if endpoint:
+        opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+        s3 = manager("s3://bench/run", local=False, **opts)
+        start = time.perf_counter()
+        s3.save(10)
+        out["s3_save_s"] = time.perf_counter() - start
+        s3.close()
+        out["s3_load_s"], _ = timed_load("s3://bench/run", local=False, **opts)
+    results = [None] * td.get_world_size()
+    td.all_gather_object(results, out)
+    if rank == 0:
+        print("RESULT " + json.dumps(results), flush=True)
+    td.destroy_process_group()
+
+
+def _moto() -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.time() > deadline:
+                server.kill()
+                raise RuntimeError("the moto S3 server did not start") from None
+            time.sleep(0.2)
+    import s3fs
+
+    endpoint = f"http://127.0.0.1:{port}"
+    s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=endpoint).mkdir("bench")
+    return server, endpoint
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=1.5)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) tier")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.worker:
+        worker(opts.gb, opts.worker)
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="dcpkit-recovery-"))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "LOGLEVEL": "ERROR",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    server = None
+    if not opts.no_s3:
+        server, env["BENCH_S3_ENDPOINT"] = _moto()
+    try:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={opts.nproc}",
+            __file__,
+            "--gb",
+            str(opts.gb),
+            "--worker",
+            str(work),
+        ]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+            return 1
+        ranks = json.loads(line[len("RESULT ") :])
+    finally:
+        if server is not None:
+            server.terminate()
+        shutil.rmtree(work, ignore_errors=True)
+    slowest = {k: max(r[k] for r in ranks) for k in ranks[0] if k.endswith("_s")}
+    total = sum(r["rank_bytes"] for r in ranks)
+    gib = total / (1 << 30)
+    print(f"state: {gib:.2f} GiB over {opts.nproc} ranks (model + AdamW, FSDP); slowest rank\n")
+    print("| restore from | step | seconds | GiB/s | x memory tier |")
+    print("|---|---|---|---|---|")
+    rows = [
+        ("memory tier (/dev/shm, peer replicas)", "memory_load_s", ranks[0]["memory_step"]),
+        ("durable, local disk, page cache warm", "disk_warm_load_s", ranks[0]["disk_step"]),
+        ("durable, local disk, page cache dropped", "disk_cold_load_s", ranks[0]["disk_step"]),
+    ]
+    if "s3_load_s" in slowest:
+        rows.append(("durable, S3 (moto on loopback)", "s3_load_s", ranks[0]["disk_step"]))
+    mem = slowest["memory_load_s"]
+    for label, key, step in rows:
+        s = slowest[key]
+        print(f"| {label} | {step} | {s:.2f} | {gib / s:.2f} | {s / mem:.1f} |")
+    stall, floor = slowest["memory_save_stall_s"], slowest["copy_floor_s"]
+    print(
+        f"\nmemory-tier save: blocked {stall:.3f} s per save against a copy floor of "
+        f"{floor:.3f} s ({stall / floor:.2f}x); a durable sync save took "
+        f"{slowest['durable_save_s']:.2f} s"
+    )
+    if opts.json:
+        opts.json.write_text(
+            json.dumps(
+                {"gib": gib, "nproc": opts.nproc, "slowest": slowest, "ranks": ranks}, indent=2
+            )
+        )
+        print(f"\nwrote {opts.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
