@@ -2,7 +2,8 @@
 
 Runs overlay on the same axes, so a run that was interrupted and resumed lies on top of the one
 that was not; a resume is a vertical line (with the world size it resumed at) and checkpoints are
-markers on the loss curve (filled: synchronous, hollow: asynchronous).
+markers on the loss curve (filled circles: synchronous, triangles: asynchronous, diamonds: the
+memory tier).
 """
 
 from __future__ import annotations
@@ -13,6 +14,14 @@ from typing import Any
 from dcpkit.runlog import Run, read_run
 
 _STYLES = ["-", "--", ":", "-."]
+_MARKERS = {"sync": ("o", True), "async": ("^", False), "memory-tier": ("D", False)}
+"""Checkpoint kind -> (marker, filled)."""
+
+
+def _kind(save: dict) -> str:
+    if save.get("tier") == "memory":
+        return "memory-tier"
+    return "sync" if save.get("mode") == "sync" else "async"
 
 
 def _pyplot() -> Any:
@@ -69,15 +78,15 @@ def plot_runs(
         loss = [run.steps[s]["loss"] for s in steps]
         ax_loss.plot(steps, loss, style, color=color, label=label, linewidth=1.6, zorder=3 + i)
         saves = run.saves()
-        for sync in (True, False):
-            marked = [s for s in saves if s in run.steps and (saves[s]["mode"] == "sync") == sync]
+        for kind, (marker, filled) in _MARKERS.items():
+            marked = [s for s in saves if s in run.steps and _kind(saves[s]) == kind]
             if marked:
                 ax_loss.scatter(
                     marked,
                     [run.steps[s]["loss"] for s in marked],
-                    marker="o" if sync else "^",
+                    marker=marker,
                     s=46,
-                    facecolors=color if sync else "white",
+                    facecolors=color if filled else "white",
                     edgecolors=color,
                     zorder=10 + i,
                 )
@@ -101,17 +110,19 @@ def plot_runs(
     from matplotlib.ticker import MaxNLocator
 
     handles, _ = ax_loss.get_legend_handles_labels()
+    kinds = {_kind(e) for run in runs for e in run.saves().values()}
     handles += [
-        Line2D([], [], marker="o", linestyle="", color="gray", label="sync checkpoint"),
         Line2D(
             [],
             [],
-            marker="^",
+            marker=marker,
             linestyle="",
             color="gray",
-            markerfacecolor="white",
-            label="async checkpoint",
-        ),
+            markerfacecolor="gray" if filled else "white",
+            label=f"{kind} checkpoint",
+        )
+        for kind, (marker, filled) in _MARKERS.items()
+        if kind in kinds
     ]
     ax_loss.set_ylabel("loss")
     ax_loss.grid(alpha=0.3)
