@@ -12,7 +12,7 @@ import sys
 from dcpkit import __version__
 from dcpkit.errors import CLIError, describe_error
 from dcpkit.layout import DTYPES, parse_dtype
-from dcpkit.units import human_bytes, parse_size
+from dcpkit.units import parse_size
 
 
 def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
@@ -94,26 +94,7 @@ def _cmd_diff(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _report(result, verb: str) -> None:  # type: ignore[no-untyped-def]
-    print(
-        f"{verb}: {result.tensors} tensors, {human_bytes(result.bytes)} -> {result.output} "
-        f"in {result.seconds:.1f}s"
-    )
-    if result.flavor:
-        print(f"  flavor: {result.flavor}")
-    for key, why in result.dropped:
-        print(f"  dropped {key}: {why}")
-    if result.max_tensor_diff is not None:
-        print(
-            f"  verified: every tensor read back matches; max abs diff vs source "
-            f"{result.max_tensor_diff:.3g}"
-        )
-    if result.max_logits_diff is not None:
-        print(
-            f"  verified: transformers logits match the source model's, max abs diff "
-            f"{result.max_logits_diff:.3g}"
-        )
-    for note in result.notes:
-        print(f"  note: {note}")
+    print("\n".join(result.lines(verb)))
 
 
 def _budget(args: argparse.Namespace) -> int:

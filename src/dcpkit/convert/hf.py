@@ -25,7 +25,7 @@ from dcpkit.formats.safetensors import SafetensorsFolder, SafetensorsWriter
 from dcpkit.layout import MODEL, dtype_name
 from dcpkit.manifest import build_manifest
 from dcpkit.storage import open_checkpoint
-from dcpkit.units import parse_size
+from dcpkit.units import human_bytes, parse_size
 
 
 @dataclass
@@ -39,6 +39,27 @@ class ConversionResult:
     max_tensor_diff: float | None = None
     max_logits_diff: float | None = None
     notes: list[str] = field(default_factory=list)
+
+    def lines(self, verb: str) -> list[str]:
+        """What the command line prints about this conversion."""
+        out = [
+            f"{verb}: {self.tensors} tensors, {human_bytes(self.bytes)} -> {self.output} "
+            f"in {self.seconds:.1f}s"
+        ]
+        if self.flavor:
+            out.append(f"  flavor: {self.flavor}")
+        out += [f"  dropped {key}: {why}" for key, why in self.dropped]
+        if self.max_tensor_diff is not None:
+            out.append(
+                "  verified: every tensor read back matches; max abs diff vs source "
+                f"{self.max_tensor_diff:.3g}"
+            )
+        if self.max_logits_diff is not None:
+            out.append(
+                "  verified: transformers logits match the source model's, max abs diff "
+                f"{self.max_logits_diff:.3g}"
+            )
+        return out + [f"  note: {note}" for note in self.notes]
 
 
 # --- to HF ---------------------------------------------------------------------------------------
