@@ -41,8 +41,9 @@ def _rss(field: str = "VmRSS") -> int:
     return 0
 
 
-def build_state(gib: float, device: str):
-    """A Llama 3 shaped model and an AdamW with its state materialized (12 bytes a parameter)."""
+def build_state(gib: float, device: str, shard=None):  # type: ignore[no-untyped-def]
+    """A Llama 3 shaped model and an AdamW with its state materialized (12 bytes a parameter);
+    ``shard(model)``, if given, parallelizes the model while it is still on the meta device."""
     from dcpkit.models import build_model
 
     params_wanted = gib * (1 << 30) / 12
@@ -61,6 +62,8 @@ def build_state(gib: float, device: str):
             multiple_of=256,
             max_seq_len=64,
         )
+    if shard is not None:
+        shard(model)
     model.to_empty(device=device)
     model.init_weights()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

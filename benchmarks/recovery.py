@@ -33,41 +33,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def build(gib: float):
-    """A Llama 3 shaped model (FSDP over every rank) and AdamW with its state materialized."""
+    """async_stall's Llama 3 shaped model + AdamW, FSDP-sharded over every rank."""
     import torch.distributed as td
+    from async_stall import build_state  # this script's folder is on sys.path
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dcpkit.models import build_model
+    def fsdp(model) -> None:  # type: ignore[no-untyped-def]
+        mesh = init_device_mesh("cpu", (td.get_world_size(),), mesh_dim_names=("dp_shard",))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
 
-    params = gib * (1 << 30) / 12
-    dim, vocab = 1024, 32000
-    per_layer = 4 * dim * dim + 3 * dim * 2816 + 2 * dim
-    layers = max(1, round((params - 2 * vocab * dim) / per_layer))
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = build_model(
-            "llama3",
-            "debugmodel",
-            dim=dim,
-            n_layers=layers,
-            n_heads=16,
-            vocab_size=vocab,
-            multiple_of=256,
-            max_seq_len=64,
-        )
-    mesh = init_device_mesh("cpu", (td.get_world_size(),), mesh_dim_names=("dp_shard",))
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return model, opt
+    return build_state(gib, "cpu", shard=fsdp)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,11 @@ HSDP = (
 HF_LAST = ("--checkpoint.last_save_model_only", "true", "--checkpoint.last_save_in_hf", "true")
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dcpkit.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
 def _resume(src: Path, step: int, dst: Path, nproc: int, *layout: str) -> dict[int, dict]:
     (dst / "checkpoint").mkdir(parents=True)
     shutil.copytree(src / "checkpoint" / f"step-{step}", dst / "checkpoint" / f"step-{step}")
@@ -80,23 +85,15 @@ def test_pp_checkpoint_holds_every_parameter_once_under_its_plain_name(pp_run, t
     hf = pp_run / "checkpoint" / "step-8"
     assert (hf / "config.json").is_file() and (hf / "model.safetensors.index.json").is_file()
     out = tmp_path / "hf"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dcpkit.cli",
-            "to-hf",
-            str(pp_run / "checkpoint" / "step-4"),
-            str(out),
-            "--model",
-            "llama3",
-            "--flavor",
-            "debugmodel",
-            "--verify",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _cli(
+        "to-hf",
+        str(pp_run / "checkpoint" / "step-4"),
+        str(out),
+        "--model",
+        "llama3",
+        "--flavor",
+        "debugmodel",
+        "--verify",
     )
     assert proc.returncode == 0, proc.stderr
     assert "transformers logits match" in proc.stdout
@@ -129,19 +126,7 @@ def test_pp_checkpoint_diff_against_one_rank_shows_the_same_keys(pp_run, tmp_pat
     (one / "checkpoint").mkdir(parents=True)
     shutil.copytree(pp_run / "checkpoint" / "step-4", one / "checkpoint" / "step-4")
     run_train(1, one, *STEPS, "--training.stop_at_step", "5")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dcpkit.cli",
-            "diff",
-            str(pp_run / "checkpoint" / "step-4"),
-            str(one / "checkpoint" / "step-5"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _cli("diff", str(pp_run / "checkpoint" / "step-4"), str(one / "checkpoint" / "step-5"))
     summary = proc.stdout.splitlines()[-1]
     assert "0 only in B, 0 changed shape or dtype" in summary, proc.stdout[-2000:]
     only = [line for line in proc.stdout.splitlines() if line.startswith("only in A")]
