@@ -5,8 +5,9 @@ memory-tier save against the copy floor, in one run.
 
 A Llama-shaped model + AdamW state of about ``--gb`` GiB, FSDP-sharded over ``--nproc`` ranks
 (torchrun, gloo). Everything timed goes through ``CheckpointManager``'s public API:
-- memory-tier save: the time ``save()`` blocks (median of 4 saves, each after the previous one
-  is written), against the floor: cloning the rank's own tensors;
+- memory-tier save: the time ``save()`` blocks (median of saves 2-5, each after the previous
+  one is written), against the floor measured just before each: a ``copy_`` of the rank's own
+  tensors into preallocated buffers, as ``benchmarks/async_stall.py`` defines it;
 - restore (``load()`` of a fresh manager, slowest rank) from the memory tier (node-local
   ``/dev/shm``, with peer replicas), from the durable tier on local disk with the page cache
   warm and dropped (the checkpoint's files evicted with ``posix_fadvise``), and from S3 (a moto
@@ -76,12 +77,13 @@ def worker(gib: float, work: Path) -> None:
     for st in opt.state.values():
         tensors += [_local(v) for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
     rank_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    floor = []
-    for _ in range(4):
+    buffers = [torch.empty_like(t) for t in tensors]
+
+    def copy_floor() -> float:
         start = time.perf_counter()
-        copies = [t.clone() for t in tensors]
-        floor.append(time.perf_counter() - start)
-        del copies
+        for b, t in zip(buffers, tensors):
+            b.copy_(t)
+        return time.perf_counter() - start
 
     def manager(folder: str, local: bool, **extra) -> CheckpointManager:
         cfg = CheckpointConfig(
@@ -96,19 +98,26 @@ def worker(gib: float, work: Path) -> None:
         )
         return CheckpointManager(cfg, work, model, optimizer=opt)
 
-    out: dict = {"rank_bytes": rank_bytes, "copy_floor_s": statistics.median(floor)}
-    # durable step 10 on local disk, then memory-tier steps 11..14 (each written before the next)
+    out: dict = {"rank_bytes": rank_bytes}
+    # durable step 10 on local disk, then memory-tier steps 11..15 (each written before the
+    # next), each beside the copy floor measured in the same conditions just before it
     mgr = manager(str(work / "disk"), local=True)
     start = time.perf_counter()
     mgr.save(10)
     out["durable_save_s"] = time.perf_counter() - start
-    stalls = []
-    for step in range(11, 15):
+    stalls, floor = [], []
+    for step in range(11, 16):
+        floor.append(copy_floor())
+        td.barrier()
         start = time.perf_counter()
         mgr.save(step)
         stalls.append(time.perf_counter() - start)
         mgr.wait()  # off the clock: the next save starts with nothing in flight
-    out["memory_save_stall_s"] = statistics.median(stalls)
+        td.barrier()
+    # the first of each fills fresh pages (the tier's staging buffers are allocated once)
+    out["memory_save_stall_s"] = statistics.median(stalls[1:])
+    out["copy_floor_s"] = statistics.median(floor[1:])
+    buffers.clear()  # the memory back for the loads
     mgr.close()
 
     def timed_load(folder: str, local: bool, **extra) -> tuple[float, int | None]:

@@ -71,6 +71,19 @@ def run_script(
     return proc
 
 
+class Counter:
+    """A user state for CheckpointManager: a step counter (the Stateful protocol)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
 def read_metrics(dump: Path) -> dict[int, dict]:
     """Per step, the last record written (a resumed run rewrites the steps after its checkpoint)."""
     return read_run(dump).steps

@@ -9,23 +9,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import read_manifest
+from conftest import Counter, read_manifest
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager, ConfigError
 from dcpkit.models import build_model
 from dcpkit.storage import open_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
 
 
 def _setup(seed=0):

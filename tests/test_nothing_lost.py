@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import run_script
+from conftest import Counter, run_script
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager
 from dcpkit.engine.async_save import AsyncSaveError
 from dcpkit.storage import open_store
@@ -43,17 +43,6 @@ def test_a_state_that_differs_between_ranks_must_be_declared(tmp_path):
     )
     assert "per_rank_states={'sampler': ...}" in proc.stdout
     assert not (tmp_path / "checkpoint" / "step-1").exists()
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
 
 
 def _model():

@@ -75,7 +75,7 @@ def _preempted_run(dump: Path, target: str, *overrides: str) -> tuple[int, str, 
 
 @pytest.mark.parametrize(
     ("target", "mode"),
-    [("rank1", "disabled"), ("launcher", "async"), ("rank1", "async_with_pinned_mem")],
+    [("rank1", "disabled"), ("launcher", "async")],
 )
 def test_sigterm_saves_one_step_everywhere_and_resumes_bitwise(
     reference_run, tmp_path, target, mode

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import BUCKET
+from conftest import BUCKET, Counter
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager
 from dcpkit.manifest import sealed_bytes
 from dcpkit.models import build_model
@@ -37,17 +37,6 @@ class Payload:
 def _model(seed: int = 0):
     torch.manual_seed(seed)
     return build_model("llama3", "debugmodel", max_seq_len=16, n_layers=1)
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
 
 
 def _checkpoint(root: Path) -> Path:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from dcpkit import dist, failpoints
 from dcpkit.engine.policy import steps_to_delete
@@ -60,15 +61,39 @@ def holding_names(root: str | Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if _HOLDING.match(p.name) and p.is_dir())
 
 
-def _copy(value: Any) -> Any:
-    """A snapshot of a state dict: tensors cloned (DTensors stay DTensors), the rest as is."""
-    if torch.is_tensor(value):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
+class Staging:
+    """Buffers that hold a snapshot of the state while the background writer writes it:
+    allocated at the first save, then refilled in place (no allocation, no page faults), as long
+    as the shapes stay the same. DTensors stay DTensors around a buffer of their local shard."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, value: Any, path: str = "") -> Any:
+        if isinstance(value, DTensor):
+            local = self._fill(path, value.to_local())
+            return DTensor.from_local(
+                local,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        if torch.is_tensor(value):
+            return self._fill(path, value)
+        if isinstance(value, dict):
+            return {k: self.copy(v, f"{path}/{k}") for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.copy(v, f"{path}/{i}") for i, v in enumerate(value)]
+        return value
+
+    def _fill(self, path: str, tensor: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(path)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            buf = self.buffers[path] = torch.empty_like(tensor, device="cpu")
+        buf.copy_(tensor.detach())
+        return buf
 
 
 class MemoryTier:
@@ -96,6 +121,7 @@ class MemoryTier:
         # A group of its own (every rank creates it, in the same order): replication never
         # interleaves with training's collectives.
         self.group = torch_dist.new_group(backend="gloo") if dist.is_dist() else None
+        self.staging = Staging()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_stall_s = 0.0
@@ -110,7 +136,7 @@ class MemoryTier:
         (the previous write, if still running, then the copy)."""
         start = time.perf_counter()
         self.wait()
-        staged = _copy(state)
+        staged = self.staging.copy(state)
         self._thread = threading.Thread(
             target=self._write, args=(step, staged, groups, mesh), daemon=True, name="dcpkit-mem"
         )
