@@ -178,12 +178,16 @@ def main() -> int:
     generate(hf)
 
     banner("7. the loss curves, overlaid, and a report of the resumed run")
-    names = ["uninterrupted (2 ranks)", "stopped at 10, resumed (2)", "resumed from 10 on 1 rank"]
+    names = [
+        "uninterrupted (2 ranks)",
+        "stopped at 10, resumed (2)",
+        "resumed from 10 on 1 rank",
+        "resumed from 10 as PP 2",
+    ]
+    runs = [full, interrupted, one_rank, pipelined]
     quoted = " ".join(f'"{n}"' for n in names)
-    print(
-        f"    $ dcpkit plot {full} {interrupted} {one_rank} -o {OUT / 'loss.png'} --names {quoted}"
-    )
-    plot_runs([read_run(full), read_run(interrupted), read_run(one_rank)], OUT / "loss.png", names)
+    print(f"    $ dcpkit plot {' '.join(map(str, runs))} -o {OUT / 'loss.png'} --names {quoted}")
+    plot_runs([read_run(r) for r in runs], OUT / "loss.png", names)
     print(f"    $ dcpkit report {interrupted} -o {OUT / 'report.html'} --compare {full}")
     render_report(interrupted, OUT / "report.html", compare=[full])
     print(f"    loss curves: {(OUT / 'loss.png').resolve()}")
