@@ -78,12 +78,6 @@ def mesh_layout(par: Parallelism, world_size: int) -> Layout:
     return Layout(pp=pp, dp_replicate=rep, dp_shard=dp, tp=tp)
 
 
-def mesh_shape(par: Parallelism, world_size: int) -> tuple[int, int]:
-    """(data-parallel shard degree, tensor-parallel degree) for ``world_size`` ranks."""
-    layout = mesh_layout(par, world_size)
-    return layout.dp_shard, layout.tp
-
-
 def build_mesh(device_type: str, dp: int | Layout, tp: int = 1) -> DeviceMesh:
     """The device mesh: ``("pp", "dp_replicate", "dp_shard", "tp")`` for a :class:`Layout`,
     ``("dp_shard", "tp")`` for two degrees."""
