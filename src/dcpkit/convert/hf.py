@@ -18,8 +18,10 @@ import torch
 
 from dcpkit.convert.adapters import ConversionError, ModelAdapter, get_adapter
 from dcpkit.convert.common import DEFAULT_BUDGET, output, progress, row_blocks
+from dcpkit.convert.fp8 import dequantizing
 from dcpkit.convert.hf_files import copy_tokenizer, find_tokenizer, special_ids, write_json
 from dcpkit.convert.hf_verify import verify_dcp_tensors, verify_hf_tensors, verify_logits
+from dcpkit.convert.views import FromHF, ToHF
 from dcpkit.formats.dcp import DCPCheckpoint, meta_tensor, write_dcp
 from dcpkit.formats.safetensors import SafetensorsFolder, SafetensorsWriter
 from dcpkit.layout import MODEL, dtype_name
@@ -104,7 +106,7 @@ def to_hf(
         )
         pending.write_manifest(manifest)
         if verify:
-            result.max_tensor_diff = verify_hf_tensors(src, tmp, plan, out_dtype, budget)
+            result.max_tensor_diff = verify_hf_tensors(ToHF(src, plan), tmp, out_dtype, budget)
             result.max_logits_diff = verify_logits(adapter, args, tmp, result, src)
         pending.publish()
     result.seconds = time.perf_counter() - start
@@ -138,22 +140,20 @@ def write_hf_folder(
         raise ConversionError(f"{name or src.path} holds no model parameters")
     src.check(keys)
     plan = adapter.plan_to_hf({k: src.shape(k) for k in keys}, args, flavor, name or str(src.path))
-    out_dtype = {s: dtype or src.dtype(s) for s, _, _ in plan.pairs}
+    view = ToHF(src, plan)
+    out_dtype = {hf: dtype or view.dtype(hf) for hf in view.names()}
     result = ConversionResult(str(dest), dropped=plan.dropped, flavor=flavor)
     writer = SafetensorsWriter(
         dest,
-        [(hf, src.shape(s), out_dtype[s]) for s, hf, _ in plan.pairs],
+        [(hf, view.shape(hf), out_dtype[hf]) for hf in view.names()],
         parse_size(max_shard_size),
         metadata={"source": "dcpkit", "family": adapter.family, "flavor": flavor},
     )
     with progress(writer.total_size, "to-hf") as bar:
-        for s, hf, tf in plan.pairs:
-            block = tf.row_block if tf else 1
-            for rows in row_blocks(src.shape(s), src.dtype(s).itemsize, budget, block):
-                t = src.read(s, rows)
-                if tf is not None:
-                    t = tf.to_hf(t)
-                t = t.to(out_dtype[s])
+        for hf in view.names():
+            itemsize = view.dtype(hf).itemsize
+            for rows in row_blocks(view.shape(hf), itemsize, budget, view.row_block(hf)):
+                t = view.read(hf, rows).to(out_dtype[hf])
                 writer.write(hf, t, rows)
                 bar.update(t.numel() * t.element_size())
     writer.close()
@@ -195,27 +195,26 @@ def from_hf(
     with open_checkpoint(hf_dir, storage_options) as view:
         src = SafetensorsFolder(view.path, view.opener)
         try:
+            src = dequantizing(src, dtype, str(hf_dir))
             args, flavor = import_args(adapter, src.config(), flavor, str(hf_dir), src)
             shapes = {k: src.shape(k) for k in src.names()}
             plan = adapter.plan_from_hf(shapes, args, flavor, str(hf_dir))
-            sources = {canon: (hf, tf) for hf, canon, tf in plan.pairs}
+            mapped = FromHF(src, plan)
             result = ConversionResult(str(ckpt), dropped=plan.dropped, flavor=flavor)
-            out_dtype = {c: dtype or src.dtype(hf) for c, (hf, _) in sources.items()}
-            total = sum(src.nbytes(hf) for hf, _ in sources.values())
+            out_dtype = {c: dtype or mapped.dtype(c) for c in mapped.names()}
+            total = sum(mapped.nbytes(c) for c in mapped.names())
             with (
                 output(ckpt, is_dir=True, force=force, storage_options=storage_options) as pending,
                 progress(total, "from-hf") as bar,
             ):
 
                 def produce(fqn: str, rows: tuple[int, int] | None) -> torch.Tensor:
-                    hf, tf = sources[fqn]
-                    t = src.read(hf, rows)
-                    t = (tf.from_hf(t) if tf is not None else t).to(out_dtype[fqn])
+                    t = mapped.read(fqn, rows).to(out_dtype[fqn])
                     bar.update(t.numel() * t.element_size())
                     return t
 
-                state = {c: meta_tensor(shapes[hf], out_dtype[c]) for c, (hf, _) in sources.items()}
-                row_block = {c: tf.row_block for c, (_, tf) in sources.items() if tf is not None}
+                state = {c: meta_tensor(mapped.shape(c), out_dtype[c]) for c in mapped.names()}
+                row_block = {c: mapped.row_block(c) for c in mapped.names()}
                 tmp = pending.scratch()
                 write_dcp(tmp, state, produce, max_chunk_bytes=budget, row_block=row_block)
                 manifest = build_manifest(
@@ -228,13 +227,11 @@ def from_hf(
                 )
                 pending.write_manifest(manifest)
                 if verify:
-                    result.max_tensor_diff = verify_dcp_tensors(
-                        tmp, src, sources, out_dtype, budget
-                    )
+                    result.max_tensor_diff = verify_dcp_tensors(tmp, mapped, out_dtype, budget)
                 pending.publish()
         finally:
             src.close()
-    result.tensors = len(sources)
+    result.tensors = len(state)
     result.bytes = sum(meta.numel() * meta.element_size() for meta in state.values())
     result.seconds = time.perf_counter() - start
     return result

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from dcpkit.convert.adapters import get_adapter
+from dcpkit.convert.fp8 import dequantizing
+from dcpkit.convert.views import FromHF
 from dcpkit.formats.dcp import DCPCheckpoint
 from dcpkit.formats.safetensors import SafetensorsFolder
 
@@ -41,14 +43,15 @@ class HFModel:
         adapter = get_adapter(self.family)
         folder = SafetensorsFolder(view.path, view.opener)
         try:
+            folder = dequantizing(folder, None, view.location)
             plan = adapter.plan_from_hf(
                 {k: folder.shape(k) for k in folder.names()},
                 self.args,
                 adapter.flavor_name(self.args) or "custom",
                 view.location,
             )
-            for hf, ours, tf in plan.pairs:
-                t = folder.read(hf)
-                yield hf, ours, tf.from_hf(t) if tf is not None else t
+            view = FromHF(folder, plan)
+            for ours in view.names():
+                yield view.hf_names(ours)[0], ours, view.read(ours)
         finally:
             folder.close()

@@ -11,30 +11,29 @@ import torch
 
 from dcpkit.convert.adapters import ConversionError, ModelAdapter
 from dcpkit.convert.common import max_abs_diff, row_blocks
+from dcpkit.convert.views import FromHF
 from dcpkit.formats.dcp import DCPCheckpoint
 from dcpkit.formats.safetensors import SafetensorsFolder
 
 
 def verify_hf_tensors(
-    src: DCPCheckpoint, folder: Path, plan: Any, out_dtype: dict[str, torch.dtype], budget: int
+    view: Any, folder: Path, out_dtype: dict[str, torch.dtype], budget: int
 ) -> float:
-    """Read every written tensor back, undo the transform, compare with the source."""
+    """Read every written tensor back and compare it with the source seen through the plan
+    (``view``: the source by HF key, transforms applied)."""
     written = SafetensorsFolder(folder)
     worst = 0.0
-    for s, hf, tf in plan.pairs:
-        for rows in row_blocks(
-            src.shape(s), src.dtype(s).itemsize, budget, tf.row_block if tf else 1
-        ):
+    for hf in view.names():
+        for rows in row_blocks(view.shape(hf), view.dtype(hf).itemsize, budget, view.row_block(hf)):
             back = written.read(hf, rows)
-            if tf is not None:
-                back = tf.from_hf(back)
-            expected = src.read(s, rows).to(out_dtype[s])
+            source = view.read(hf, rows)
+            expected = source.to(out_dtype[hf])
             if not torch.equal(back, expected):
                 raise ConversionError(
-                    f"verification failed: {hf} read back differs from {s} "
+                    f"verification failed: {hf} read back differs from {view.source(hf)} "
                     f"(max abs diff {max_abs_diff(back, expected):.3g})"
                 )
-            worst = max(worst, max_abs_diff(back.float(), src.read(s, rows).float()))
+            worst = max(worst, max_abs_diff(back.float(), source.float()))
     return worst
 
 
@@ -71,10 +70,8 @@ def verify_logits(
     plan = adapter.plan_from_hf(
         {k: written.shape(k) for k in written.names()}, args, result.flavor, str(folder)
     )
-    state = {}
-    for hf, canon, tf in plan.pairs:
-        t = written.read(hf)
-        state[canon] = (tf.from_hf(t) if tf is not None else t).float()
+    view = FromHF(written, plan)
+    state = {c: view.read(c).float() for c in view.names()}
     ours.load_state_dict(state, strict=True)
     ours.eval()
     tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -89,24 +86,22 @@ def verify_logits(
 
 
 def verify_dcp_tensors(
-    folder: Path,
-    src: SafetensorsFolder,
-    sources: dict[str, tuple[str, Any]],
-    out_dtype: dict[str, torch.dtype],
-    budget: int,
+    folder: Path, view: Any, out_dtype: dict[str, torch.dtype], budget: int
 ) -> float:
-    """Read every tensor of the written DCP folder back and compare it with the HF source."""
+    """Read every tensor of the written DCP folder back and compare it with the HF source
+    (``view``: the source by TorchTitan key)."""
     worst = 0.0
     with DCPCheckpoint(folder) as written:
-        for canon, (hf, tf) in sources.items():
-            block = tf.row_block if tf else 1
-            for rows in row_blocks(src.shape(hf), src.dtype(hf).itemsize, budget, block):
+        for canon in view.names():
+            for rows in row_blocks(
+                view.shape(canon), view.dtype(canon).itemsize, budget, view.row_block(canon)
+            ):
                 back = written.read(canon, rows)
-                t = src.read(hf, rows)
-                converted = tf.from_hf(t) if tf is not None else t
+                converted = view.read(canon, rows)
                 if not torch.equal(back, converted.to(out_dtype[canon])):
                     raise ConversionError(
-                        f"verification failed: {canon} read back differs from {hf}"
+                        f"verification failed: {canon} read back differs from "
+                        f"{view.hf_names(canon)[0]}"
                     )
                 worst = max(worst, max_abs_diff(back.float(), converted.float()))
     return worst

@@ -15,6 +15,7 @@ import torch
 
 from dcpkit.convert.adapters import get_adapter
 from dcpkit.convert.common import DEFAULT_BUDGET, max_abs_diff, row_blocks
+from dcpkit.convert.views import FromHF
 from dcpkit.formats.sources import HF, open_source
 from dcpkit.layout import is_model_key
 from dcpkit.storage import open_checkpoint
@@ -58,26 +59,23 @@ class _Mapped:
             adapter.flavor_name(args) or "custom",
             str(source.path),
         )
-        self.map = {canon: (hf, tf) for hf, canon, tf in plan.pairs}
+        self.view = FromHF(source, plan)
         self.canonical = adapter.canonical
 
     def names(self) -> list[str]:
-        return list(self.map)
+        return self.view.names()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.source.shape(self.map[name][0])
+        return self.view.shape(name)
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.source.dtype(self.map[name][0])
+        return self.view.dtype(name)
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        hf, tf = self.map[name]
-        t = self.source.read(hf, rows)
-        return tf.from_hf(t) if tf is not None else t
+        return self.view.read(name, rows)
 
     def row_block(self, name: str) -> int:
-        tf = self.map[name][1]
-        return tf.row_block if tf is not None else 1
+        return self.view.row_block(name)
 
 
 def diff_paths(

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
-from dcpkit.convert.adapters.base import ConversionError, KeyPlan, ModelAdapter, RopePermute
+from dcpkit.convert.adapters.base import (
+    ConversionError,
+    ExpertOf,
+    KeyPlan,
+    ModelAdapter,
+    RopePermute,
+)
+from dcpkit.convert.adapters.deepseek_v3 import DeepSeekV3Adapter
 from dcpkit.convert.adapters.hf import HFNamesAdapter
 from dcpkit.convert.adapters.llama3 import Llama3Adapter
 from dcpkit.convert.adapters.qwen3 import Qwen3Adapter
+from dcpkit.convert.adapters.qwen3_moe import Qwen3MoeAdapter
 
 _ADAPTERS: dict[str, ModelAdapter] = {
-    a.family: a for a in (Llama3Adapter(), Qwen3Adapter(), HFNamesAdapter())
+    a.family: a
+    for a in (
+        Llama3Adapter(),
+        Qwen3Adapter(),
+        Qwen3MoeAdapter(),
+        DeepSeekV3Adapter(),
+        HFNamesAdapter(),
+    )
 }
 
 
@@ -27,6 +42,7 @@ def known_families() -> list[str]:
 
 __all__ = [
     "ConversionError",
+    "ExpertOf",
     "KeyPlan",
     "ModelAdapter",
     "RopePermute",

@@ -40,6 +40,24 @@ class RopePermute:
         return w.reshape(n, 2, self.head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+@dataclass(frozen=True)
+class ExpertOf:
+    """One expert of a stacked ``[num_experts, ...]`` TorchTitan tensor, which Hugging Face
+    stores as a tensor of its own per expert (``...experts.{e}...``)."""
+
+    index: int
+
+    @property
+    def row_block(self) -> int:
+        return 1
+
+    def to_hf(self, w: torch.Tensor) -> torch.Tensor:
+        return w
+
+    def from_hf(self, w: torch.Tensor) -> torch.Tensor:
+        return w
+
+
 def decoder_shapes(
     vocab: int,
     dim: int,
@@ -114,11 +132,16 @@ def rotary_buffer(key: str) -> bool:
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
-    return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+    body = re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    return re.compile("^" + body + "$")
 
 
-def _fill(pattern: str, match: re.Match[str]) -> str:
-    return pattern.replace("{i}", match.group("i")) if "{i}" in pattern else pattern
+def _fill(pattern: str, match: re.Match[str], expert: int | None = None) -> str:
+    if "{i}" in pattern:
+        pattern = pattern.replace("{i}", match.group("i"))
+    if expert is not None:
+        pattern = pattern.replace("{e}", str(expert))
+    return pattern
 
 
 @dataclass
@@ -134,7 +157,8 @@ class ModelAdapter(ABC):
 
     family: ClassVar[str]
     key_map: ClassVar[dict[str, str]]
-    """Canonical TorchTitan key pattern -> HF key pattern (``{i}`` is the layer index)."""
+    """Canonical TorchTitan key pattern -> HF key pattern (``{i}`` is the layer index; an HF
+    pattern with ``{e}``, the expert index, stores a stacked-experts tensor one expert per key)."""
     aliases: ClassVar[dict[str, str]] = {}
     """Other TorchTitan spellings -> canonical pattern (e.g. 0.3.0's ``qkv_linear.wq``)."""
     hf_ignored: ClassVar[tuple[str, ...]] = ()
@@ -193,18 +217,29 @@ class ModelAdapter(ABC):
                 return _fill(target, m)
         return key
 
-    def to_hf_key(self, canonical: str) -> str | None:
+    def to_hf_key(self, canonical: str, expert: int | None = None) -> str | None:
+        """The HF key of ``canonical`` (of its expert ``expert`` for a stacked tensor)."""
         for regex, target, _ in self._to_hf:
             m = regex.match(canonical)
             if m:
-                return _fill(target, m)
+                return _fill(target, m, expert)
         return None
 
+    def is_stacked(self, canonical: str) -> bool:
+        """Whether HF stores ``canonical`` one expert per key."""
+        return any(r.match(canonical) and "{e}" in t for r, t, _ in self._to_hf)
+
     def from_hf_key(self, hf_key: str) -> str | None:
+        found = self.from_hf_expert_key(hf_key)
+        return None if found is None else found[0]
+
+    def from_hf_expert_key(self, hf_key: str) -> tuple[str, int | None] | None:
+        """``(canonical key, expert index or None)`` of an HF key, or None if unmapped."""
         for regex, target in self._from_hf:
             m = regex.match(hf_key)
             if m:
-                return _fill(target, m)
+                expert = int(m.group("e")) if "e" in regex.groupindex else None
+                return _fill(target, m), expert
         return None
 
     def _check_shapes(
@@ -261,6 +296,10 @@ class ModelAdapter(ABC):
             hf = self.to_hf_key(c)
             if hf is None:
                 raise self._unmapped(key, where, "TorchTitan -> HF")
+            if self.is_stacked(c):
+                for e in range(shapes[key][0]):
+                    pairs.append((key, self.to_hf_key(c, e), ExpertOf(e)))
+                continue
             pairs.append((key, hf, self.transform(c, args)))
         return KeyPlan(pairs, dropped)
 
@@ -269,13 +308,18 @@ class ModelAdapter(ABC):
     ) -> KeyPlan:
         """HF keys with their shapes -> canonical TorchTitan keys."""
         pairs, dropped, seen = [], [], {}
+        experts: dict[str, dict[int, str]] = {}
         for hf in shapes:
             if any(r.match(hf) for r in self._ignored):
                 dropped.append((hf, "not a parameter (recomputed by the model)"))
                 continue
-            c = self.from_hf_key(hf)
-            if c is None:
+            found = self.from_hf_expert_key(hf)
+            if found is None:
                 raise self._unmapped(hf, where, "HF -> TorchTitan")
+            c, expert = found
+            if expert is not None:
+                experts.setdefault(c, {})[expert] = hf
+                continue
             if c == "output.weight" and getattr(args, "tie_word_embeddings", False):
                 dropped.append((hf, "tied embeddings: output.weight is taken from embed_tokens"))
                 continue
@@ -284,5 +328,18 @@ class ModelAdapter(ABC):
         if getattr(args, "tie_word_embeddings", False) and "tok_embeddings.weight" in seen:
             pairs.append((seen["tok_embeddings.weight"], "output.weight", None))
             seen["output.weight"] = seen["tok_embeddings.weight"]
-        self._check_shapes(args, {c: shapes[h] for c, h in seen.items()}, where, flavor)
+        found_shapes = {c: shapes[h] for c, h in seen.items()}
+        for c, members in experts.items():
+            missing = sorted(set(range(max(members) + 1)) - set(members))
+            if missing:
+                raise ConversionError(
+                    f"{where} lacks expert(s) {', '.join(map(str, missing[:8]))} of {c} "
+                    f"(e.g. {self.to_hf_key(c, missing[0])}); the experts must be 0..N-1"
+                )
+            per_expert = {tuple(shapes[h]) for h in members.values()}
+            if len(per_expert) > 1:
+                raise ConversionError(f"{where}: the experts of {c} differ in shape")
+            found_shapes[c] = (len(members), *per_expert.pop())
+            pairs += [(members[e], c, ExpertOf(e)) for e in range(len(members))]
+        self._check_shapes(args, found_shapes, where, flavor)
         return KeyPlan(pairs, dropped)
