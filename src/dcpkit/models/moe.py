@@ -94,6 +94,10 @@ class Router(nn.Module):
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=std)
 
 
+# torch 2.13 renamed all_gather_into_tensor (which now warns); 2.11 has only the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class _GatherTokens(torch.autograd.Function):
     """All-gather along dim 0 over ``group``; the gradient is summed, each rank keeps its part."""
 
@@ -102,7 +106,7 @@ class _GatherTokens(torch.autograd.Function):
         ctx.group = group
         ctx.n = x.shape[0]
         out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -130,7 +134,7 @@ class _SumToOwners(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] * dist.get_world_size(ctx.group), *grad.shape[1:]))
-        dist.all_gather_into_tensor(out, grad, group=ctx.group)
+        _all_gather(out, grad, group=ctx.group)
         return out, None
 
 
@@ -164,7 +168,7 @@ class GroupedExperts(nn.Module):
             x = _GatherTokens.apply(x, group)
             weights = _GatherTokens.apply(weights, group)
             gathered = chosen.new_empty((x.shape[0], chosen.shape[1]))
-            dist.all_gather_into_tensor(gathered, chosen.contiguous(), group=group)
+            _all_gather(gathered, chosen.contiguous(), group=group)
             chosen = gathered
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         top_k = chosen.shape[1]
@@ -272,15 +276,15 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, group: Any = None) -> None:
+def update_expert_bias(model: nn.Module, groups: list[Any] | None = None) -> None:
     """TorchTitan's auxiliary-loss-free load balancing, once per optimizer step: each expert's
     bias moves by ``load_balance_coeff`` towards the mean load (token counts summed over the
-    data-parallel ``group``), centred; the counts restart at zero."""
+    data-parallel ``groups``), centred; the counts restart at zero."""
     for moe in moe_layers(model):
         if moe.expert_bias is None:
             continue
         counts = moe.tokens_per_expert.clone()
-        if group is not None:
+        for group in groups or []:
             dist.all_reduce(counts, group=group)
         delta = moe.args.load_balance_coeff * torch.sign(counts.mean() - counts)
         moe.expert_bias.add_(delta - delta.mean())

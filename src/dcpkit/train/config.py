@@ -135,6 +135,9 @@ class Parallelism:
     pipeline_parallel_layers_per_stage: int = 0
     """Transformer layers per stage; 0: the schedule's stages per rank (1, or 2 if interleaved)
     over the pipeline ranks, layers spread evenly."""
+    expert_parallel_degree: int = 1
+    """Ranks over which each MoE layer's experts are sharded, taken from the FSDP ranks (must
+    divide data_parallel_shard_degree and the number of experts)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -142,6 +145,7 @@ class Parallelism:
             "tensor_parallel_degree",
             "pipeline_parallel_degree",
             "pipeline_parallel_microbatch_size",
+            "expert_parallel_degree",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"[parallelism] {name} must be >= 1, got {getattr(self, name)}")

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
 
 from dcpkit.config import ConfigError
 from dcpkit.train.config import PIPELINE_SCHEDULES, Parallelism
+from dcpkit.train.expert_parallel import apply_expert_parallel, expert_parameters
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Layout:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert-parallel degree, borrowed from ``dp_shard`` (not a mesh dimension of its own)."""
 
     @property
     def dp(self) -> int:
@@ -41,6 +44,8 @@ class Layout:
             parts.insert(0, f"dp_replicate={self.dp_replicate}")
         if self.pp > 1:
             parts.insert(0, f"pp={self.pp}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         return " ".join(parts)
 
 
@@ -75,7 +80,13 @@ def mesh_layout(par: Parallelism, world_size: int) -> Layout:
             f"[parallelism] data_parallel_shard_degree ({dp}){others} must equal the world size "
             f"({world_size}); use -1 to fill it"
         )
-    return Layout(pp=pp, dp_replicate=rep, dp_shard=dp, tp=tp)
+    ep = par.expert_parallel_degree
+    if dp % ep:
+        raise ConfigError(
+            f"[parallelism] expert_parallel_degree ({ep}) must divide data_parallel_shard_degree "
+            f"({dp}): the expert-parallel ranks are taken from the FSDP ranks"
+        )
+    return Layout(pp=pp, dp_replicate=rep, dp_shard=dp, tp=tp, ep=ep)
 
 
 def build_mesh(device_type: str, dp: int | Layout, tp: int = 1) -> DeviceMesh:
@@ -178,18 +189,36 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         )
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    reshard_after_forward: bool = True,
+    ignored: set[nn.Parameter] | None = None,
+) -> None:
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored
+        )
+    fully_shard(
+        model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored
+    )
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, pipelined: bool = False) -> nn.Module:
-    """Tensor parallel over ``mesh["tp"]``, then FSDP2 over ``mesh["dp_shard"]`` or, with
-    replicas, HSDP over ``mesh["dp_replicate", "dp_shard"]`` (each if > 1)."""
+def parallelize(
+    model: nn.Module, mesh: DeviceMesh, pipelined: bool = False, ep_mesh: DeviceMesh | None = None
+) -> nn.Module:
+    """Tensor parallel over ``mesh["tp"]``, experts over ``ep_mesh`` (if given), then FSDP2 over
+    ``mesh["dp_shard"]`` or, with replicas, HSDP over ``mesh["dp_replicate", "dp_shard"]``
+    (each if > 1)."""
     names = mesh.mesh_dim_names or ()
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    if ep_mesh is not None:
+        apply_expert_parallel(model, ep_mesh)
+        # FSDP leaves the sharded experts alone (and, with one rank per expert group, there
+        # is nothing else to shard them over).
+        apply_fsdp(model, mesh["dp_shard"], not pipelined, expert_parameters(model))
+        return model
     replicas = mesh["dp_replicate"].size() if "dp_replicate" in names else 1
     if replicas > 1:
         # HSDP: shards over dp_shard, replicated over dp_replicate; gradients are reduced over

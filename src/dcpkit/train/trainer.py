@@ -24,8 +24,10 @@ from dcpkit.engine.async_save import AsyncSaveError
 from dcpkit.engine.preempt import EXIT_PREEMPTED
 from dcpkit.layout import step_name
 from dcpkit.models import build_model, flavors
+from dcpkit.models.moe import update_expert_bias
 from dcpkit.train.config import TrainConfig, load_config
 from dcpkit.train.data import GlobalBatchLoader, TokenSamples, prepare_corpus
+from dcpkit.train.expert_parallel import build_ep_mesh, check_moe_layout
 from dcpkit.train.grad import clip_grad_norm_
 from dcpkit.train.lr import build_scheduler
 from dcpkit.train.metrics import MetricsLogger
@@ -129,6 +131,9 @@ class Trainer:
             self.layout.describe(),
             self.device.type,
         )
+        check_moe_layout(
+            model, self.layout.tp, self.layout.pp, self.layout.dp_replicate, self.layout.ep
+        )
         self.model = model
         hf_model = HFModel(
             cfg.model.name,
@@ -174,7 +179,10 @@ class Trainer:
             logger.info(self.pipeline.rule)
             parts = self.pipeline.parts
         else:
-            parts = [parallelize(model.to(self.device), self.mesh)]
+            ep_mesh = None
+            if layout.ep > 1:
+                ep_mesh = build_ep_mesh(self.device.type, layout.dp_shard, layout.ep)
+            parts = [parallelize(model.to(self.device), self.mesh, ep_mesh=ep_mesh)]
         self.parts = parts
         self.model = parts[0]
         opt = cfg.optimizer
@@ -249,6 +257,7 @@ class Trainer:
                 "dp_replicate": self.layout.dp_replicate,
                 "dp_shard": self.layout.dp_shard,
                 "tp": self.layout.tp,
+                "ep": self.layout.ep,
             },
             saved_world_size=saved_world,
         )
@@ -280,6 +289,8 @@ class Trainer:
                 self.checkpoint.maybe_wait_for_staging()
                 stall = time.perf_counter() - stall0
                 lr = self.scheduler.get_last_lr()[0]
+                for part in self.parts:
+                    update_expert_bias(part, self.dp_groups)
                 for optimizer, scheduler in zip(self.optimizers, self.schedulers):
                     optimizer.step()
                     scheduler.step()
