@@ -91,10 +91,10 @@ def make_checkpoint(path: Path, args: Llama3Args) -> int:
     return sum(p.stat().st_size for p in path.iterdir())
 
 
-def run_op(code: str, ckpt: Path, out: Path, args: Llama3Args) -> tuple[float, int]:
+def run_op(code: str, ckpt: Path, out: Path, args: object) -> tuple[float, int]:
     """(wall seconds, peak RSS bytes) of ``code`` in a fresh interpreter."""
     prelude = (
-        f"{IMPORTS}\nfrom dcpkit.models.llama3 import Llama3Args\n"
+        f"{IMPORTS}\nfrom dcpkit.models import DeepSeekV3Args, Llama3Args, MoEArgs\n"
         f"CKPT = {str(ckpt)!r}\nOUT = {str(out)!r}\nARGS = {args!r}\n"
         "import time\nt0 = time.perf_counter()\n"
     )

@@ -43,3 +43,19 @@ def test_convert_benchmark_small(tmp_path):
     for name in ("dcpkit to-torch", "dcpkit to-hf", "dcpkit from-hf"):
         assert results[name]["rss_above_baseline_bytes"] < 0.75 * ref, name
     assert "x raw" in proc.stdout
+
+
+def test_moe_convert_benchmark_small(tmp_path):
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "moe_convert.py"), "--small"]
+    cmd += ["--experts", "8", "--vocab", "4096", "--json", str(out), "--workdir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    results = data["results"]
+    assert set(results) >= {"raw read+write", "dcpkit to-hf", "dcpkit from-hf"}
+    assert "dcpkit from-hf (FP8 source)" in results
+    assert data["fp8_folder_bytes"] < data["checkpoint_bytes"]  # FP8 weights: fewer bytes
+    for name in ("dcpkit to-hf", "dcpkit from-hf", "dcpkit from-hf (FP8 source)"):
+        assert results[name]["wall_s"] > 0
+        assert results[name]["rss_above_baseline_bytes"] < data["rss_bound_bytes"], name

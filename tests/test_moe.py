@@ -190,3 +190,12 @@ def test_torchtitan_expert_spellings_and_missing_experts(tmp_path):
     with pytest.raises(ConversionError, match=r"expert\(s\) 3 of layers\.1\.moe\.experts\.w3"):
         from_hf(tmp_path / "hf", tmp_path / "back", "qwen3_moe")
     assert not (tmp_path / "back").exists()
+
+
+def test_transformers_default_deepseek_v3_config_is_the_671b_flavor():
+    """transformers' DeepseekV3Config defaults are the published 671B model."""
+    adapter = get_adapter("deepseek_v3")
+    args = adapter.args_from_hf_config(transformers.DeepseekV3Config().to_dict())
+    assert adapter.expected_shapes(args) == adapter.expected_shapes(flavors("deepseek_v3")["671B"])
+    total = sum(math.prod(s) for k, s in adapter.expected_shapes(args).items() if "bias" not in k)
+    assert round(total / 1e9) == 671

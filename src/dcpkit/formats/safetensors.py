@@ -32,9 +32,10 @@ _DTYPE_CODES = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
-_CODE_DTYPES.update({"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2})
 
 
 def dtype_from_code(code: str) -> torch.dtype:

@@ -33,6 +33,16 @@ class Qwen3Adapter(ModelAdapter):
     hf_ignored = Llama3Adapter.hf_ignored
     flavors = QWEN3_FLAVORS
 
+    def resolve_flavor(self, flavor: str) -> Qwen3Args:
+        from dcpkit.models.qwen3_moe import QWEN3_MOE_FLAVORS
+
+        if flavor in QWEN3_MOE_FLAVORS and flavor not in self.flavors:
+            raise ConversionError(
+                f"{flavor} is a Qwen 3 mixture-of-experts flavor (TorchTitan lists it under "
+                "qwen3); convert it with --model qwen3_moe"
+            )
+        return super().resolve_flavor(flavor)
+
     def expected_shapes(self, args: Qwen3Args) -> dict[str, tuple[int, ...]]:
         norms = {
             "attention.q_norm.weight": (args.head_dim,),
