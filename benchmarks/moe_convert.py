@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -170,6 +171,7 @@ def main() -> int:
             out = work / "out"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
+            os.sync()  # no operation pays for the previous one's writeback
             wall, rss = run_op(code, ckpt, out, args)
             rows[name] = {"wall_s": wall, "peak_rss_bytes": rss}
             if name == "dcpkit to-hf":  # the from-hf source, kept for the next operation

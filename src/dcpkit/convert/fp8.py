@@ -31,13 +31,26 @@ def block_size(config: dict | None) -> tuple[int, int]:
     return size[0], size[1]
 
 
-def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Float32 ``q * scale_inv`` with each scale spread over its ``block`` (rows of ``q`` start
-    at a block boundary)."""
+def dequantize(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype = torch.float32,
+    skip: int = 0,
+) -> torch.Tensor:
+    """``q * scale_inv`` computed in float32 with each scale spread over its ``block``, cast to
+    ``dtype``; ``q``'s rows start at a block boundary, and the first ``skip`` rows are left out.
+    One block row at a time: the float32 temporaries stay one band of blocks."""
     bh, bw = block
-    s = scale_inv.float().repeat_interleave(bh, dim=0)[: q.shape[0]]
-    s = s.repeat_interleave(bw, dim=1)[:, : q.shape[1]]
-    return q.float() * s
+    out = torch.empty((q.shape[0] - skip, *q.shape[1:]), dtype=dtype)
+    for i, start in enumerate(range(0, q.shape[0], bh)):
+        band = q[start : start + bh].float()
+        scales = scale_inv[i].float().repeat_interleave(bw)[: q.shape[1]]
+        band = band * scales
+        lo = max(start, skip)
+        if lo < start + band.shape[0]:
+            out[lo - skip : start + band.shape[0] - skip] = band[lo - start :]
+    return out
 
 
 class Dequantized:
@@ -87,7 +100,7 @@ class Dequantized:
         first = start // bh
         q = self.src.read(key, (first * bh, stop))
         s = self.src.read(self.scales[key], (first, math.ceil(stop / bh)))
-        return dequantize(q, s, self.block)[start - first * bh :].to(self.out_dtype)
+        return dequantize(q, s, self.block, self.out_dtype, skip=start - first * bh)
 
     def config(self) -> dict | None:
         return self.src.config()

@@ -156,6 +156,7 @@ def write_hf_folder(
                 t = view.read(hf, rows).to(out_dtype[hf])
                 writer.write(hf, t, rows)
                 bar.update(t.numel() * t.element_size())
+                del t  # before the next block is read: one block held at a time
     writer.close()
     result.tensors, result.bytes = len(plan.pairs), writer.total_size
     config_dtype = dtype or _dominant_dtype(out_dtype.values())
@@ -216,7 +217,9 @@ def from_hf(
                 state = {c: meta_tensor(mapped.shape(c), out_dtype[c]) for c in mapped.names()}
                 row_block = {c: mapped.row_block(c) for c in mapped.names()}
                 tmp = pending.scratch()
-                write_dcp(tmp, state, produce, max_chunk_bytes=budget, row_block=row_block)
+                # DCP's writer holds the block it wrote while the next one is produced: two
+                # blocks of half the budget each.
+                write_dcp(tmp, state, produce, max_chunk_bytes=budget // 2, row_block=row_block)
                 manifest = build_manifest(
                     None,
                     1,

@@ -205,6 +205,15 @@ class DCPCheckpoint:
             # One chunk holds the whole tensor: return what is read, without a second copy.
             archive, ref = self._chunk(fqn, md.chunks[0])
             return archive.read(ref, rows).view(shape)
+        if rows is not None:
+            # Rows inside one chunk that spans the other dimensions: read them alone, without
+            # assembling a copy (a row block then costs its own bytes once).
+            for chunk in md.chunks:
+                o, z = list(chunk.offsets), list(chunk.sizes)
+                whole = o[1:] == [0] * (len(o) - 1) and z[1:] == list(md.size)[1:]
+                if whole and o[0] <= rows[0] and rows[1] <= o[0] + z[0]:
+                    archive, ref = self._chunk(fqn, chunk)
+                    return archive.read(ref, (rows[0] - o[0], rows[1] - o[0])).view(shape)
         out = torch.empty(shape, dtype=md.properties.dtype)
         for chunk in md.chunks:
             offsets, sizes = list(chunk.offsets), list(chunk.sizes)
