@@ -95,9 +95,9 @@ def test_tied_flavor_shares_embedding():
 
 
 def test_unknown_names_list_known_ones():
-    assert known_models() == ["llama3", "qwen3"]
+    assert known_models() == ["deepseek_v3", "llama3", "qwen3", "qwen3_moe"]
     assert "8B" in flavors("llama3") and "0.6B" in flavors("qwen3")
-    with pytest.raises(ValueError, match="known models: llama3, qwen3"):
+    with pytest.raises(ValueError, match="known models: deepseek_v3, llama3, qwen3, qwen3_moe"):
         build_model("gpt9", "x")
     with pytest.raises(ValueError, match="known flavors: debugmodel, 1B"):
         build_model("llama3", "7B")
