@@ -7,10 +7,12 @@ over the ranks (torchrun, gloo). Everything timed goes through ``CheckpointManag
 API, slowest rank, all ranks starting together:
 - sync save (``save()`` of a full checkpoint, durable and published) against a raw write of each
   rank's state bytes into one file per rank with one fsync;
-- load (``load()`` of a fresh manager) with ``verify_on_load`` off and on, against a raw
+- load (``load()`` of a manager, as at a resume) with ``verify_on_load`` off and on, against a raw
   parallel read of the checkpoint's files into memory (the same bytes, the same threads per
   rank, each rank its share of the files) - with the page cache warm, and dropped (every file
-  evicted with ``posix_fadvise``) before each cold read.
+  evicted with ``posix_fadvise``) before each cold read; and, beside it, what a loop without
+  dcpkit does: PyTorch's ``dcp.load`` (its ``FileSystemReader``) + ``set_state_dict`` of the
+  same state, saved by ``dcp.save``.
 Medians over ``--reps`` runs.
 """
 
@@ -119,25 +121,54 @@ def worker(gib: float, work: Path, reps: int) -> None:
     into = torch.empty(sum(p.stat().st_size for p in mine), dtype=torch.uint8)
     into.fill_(0)
 
+    managers = {
+        verify: CheckpointManager(
+            CheckpointConfig(enable=True, interval=1, verify_on_load=verify),
+            folder,
+            model,
+            optimizer=opt,
+        )
+        for verify in (False, True)
+    }
+
     def load(verify: bool) -> None:
-        cfg = CheckpointConfig(enable=True, interval=1, verify_on_load=verify)
-        mgr = CheckpointManager(cfg, folder, model, optimizer=opt)
-        assert mgr.load() == 1
-        mgr.close()
+        assert managers[verify].load() == 1
+
+    def torch_load() -> None:
+        """What a loop without dcpkit does: DCP's own reader, then set_state_dict."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(work / "torch"))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(work / "torch"))
+    del msd, osd
 
     for _ in range(reps):
         timed("raw_read_warm_s", lambda: _raw_read(mine, threads, into))
         timed("load_warm_s", lambda: load(False))
         timed("load_verify_warm_s", lambda: load(True))
+        timed("torch_load_warm_s", torch_load)
     for _ in range(reps):
         for key, fn in (
             ("raw_read_cold_s", lambda: _raw_read(mine, threads, into)),
             ("load_cold_s", lambda: load(False)),
             ("load_verify_cold_s", lambda: load(True)),
+            ("torch_load_cold_s", torch_load),
         ):
             if rank == 0:
                 _evict(ckpt)
+                _evict(work / "torch")
             timed(key, fn)
+    for mgr in managers.values():
+        mgr.close()
     ckpt_bytes = sum(p.stat().st_size for p in files)
     result = {k: statistics.median(v) for k, v in out.items()}
     result.update(rank_bytes=rank_bytes, checkpoint_bytes=ckpt_bytes, threads=threads)
@@ -154,6 +185,18 @@ ROWS = [
     ("load + verify, warm", "load_verify_warm_s", "raw_read_warm_s", "raw parallel read"),
     ("load, page cache dropped", "load_cold_s", "raw_read_cold_s", "raw parallel read"),
     ("load + verify, dropped", "load_verify_cold_s", "raw_read_cold_s", "raw parallel read"),
+    (
+        "PyTorch dcp.load + set_state_dict, warm",
+        "torch_load_warm_s",
+        "raw_read_warm_s",
+        "raw parallel read",
+    ),
+    (
+        "PyTorch dcp.load + set_state_dict, dropped",
+        "torch_load_cold_s",
+        "raw_read_cold_s",
+        "raw parallel read",
+    ),
 ]
 
 
