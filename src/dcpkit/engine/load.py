@@ -5,14 +5,17 @@ first, falling back to the newest older step that is when ``fallback_on_corrupti
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dcpkit import dist
 from dcpkit.engine.policy import choose_step, fallback_steps, is_seed_step
+from dcpkit.engine.restore import FailedVerification
 from dcpkit.errors import CheckpointError
 from dcpkit.integrity import verify_checkpoint
 from dcpkit.layout import HF_FILES, HF_INDEX, HF_SINGLE, METADATA, step_name
+from dcpkit.manifest import CHECKSUM_ALGORITHM
 from dcpkit.storage import StoreError, open_location
 
 logger = logging.getLogger(__name__)
@@ -91,27 +94,56 @@ def _plan_initial_load(config: Any) -> LoadPlan:
     )
 
 
-def verify_everywhere(store: Any, name: str, require_commit: bool) -> list[str]:
-    """Problems with checkpoint ``name``; every rank checksums its share of the files. Empty
-    when it is intact."""
+def checksum_share(store: Any, name: str) -> dict[str, str] | None:
+    """The files of checkpoint ``name`` whose checksums this rank verifies (every rank a share),
+    with their expected xxh3-64; None without a manifest."""
     manifest, _ = store.read_manifest(name)
-    mine = None
-    if manifest is not None:
-        mine = sorted(manifest["files"])[dist.rank() :: dist.world_size()]
-    report = verify_checkpoint(store, name, checksum_files=mine, require_commit=require_commit)
+    if manifest is None:
+        return None
+    mine = sorted(manifest["files"])[dist.rank() :: dist.world_size()]
+    return {
+        n: e[CHECKSUM_ALGORITHM]
+        for n in mine
+        if isinstance(e := manifest["files"][n], dict)
+        and isinstance(e.get(CHECKSUM_ALGORITHM), str)
+    }
+
+
+def gather_problems(problems: list[Any]) -> list[str]:
+    """Every rank's problems, on every rank, sorted."""
     found: set[str] = set()
-    for part in dist.all_gather_object([str(p) for p in report.problems]):
+    for part in dist.all_gather_object([str(p) for p in problems]):
         found.update(part)
     return sorted(found)
 
 
-def verified(plan: LoadPlan, config: Any, store: Any) -> LoadPlan:
+def verify_everywhere(
+    store: Any, name: str, require_commit: bool, checksums: bool = True
+) -> list[str]:
+    """Problems with checkpoint ``name``; every rank checksums its share of the files (with
+    ``checksums``; else sizes and structure only). Empty when it is intact."""
+    share = checksum_share(store, name)
+    mine = None if share is None else sorted(share)
+    report = verify_checkpoint(
+        store, name, checksums=checksums, checksum_files=mine, require_commit=require_commit
+    )
+    return gather_problems(report.problems)
+
+
+def verified(plan: LoadPlan, config: Any, store: Any, checksums: bool = True) -> LoadPlan:
     """``plan`` if its checkpoint verifies; else the newest older one that does, when
-    ``fallback_on_corruption`` allows it; else an error listing the problems."""
+    ``fallback_on_corruption`` allows it; else an error listing the problems. Without
+    ``checksums`` (the load verifies them as it reads) sizes and structure are checked."""
     assert plan.name is not None
-    problems = verify_everywhere(plan.store, plan.name, require_commit=plan.own)
+    problems = verify_everywhere(plan.store, plan.name, plan.own, checksums)
     if not problems:
         return plan
+    return fallback(plan, problems, config, store)
+
+
+def fallback(plan: LoadPlan, problems: list[str], config: Any, store: Any) -> LoadPlan:
+    """After ``plan`` failed verification with ``problems``: the newest older checkpoint that
+    verifies, when ``fallback_on_corruption`` allows it; else an error listing the problems."""
     listing = "; ".join(problems[:5]) + (
         f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
     )
@@ -140,3 +172,27 @@ def verified(plan: LoadPlan, config: Any, store: Any) -> LoadPlan:
         f"no published checkpoint in {store.root} passes verification (the latest failed "
         f"with: {listing}); restore the files or start fresh in another folder"
     )
+
+
+def restore_verified(
+    plan: LoadPlan, config: Any, store: Any, restore: Callable[..., list[str]]
+) -> tuple[LoadPlan, list[str]]:
+    """``restore(store, name, model_only[, checksums=])`` the checkpoint of ``plan``, or with
+    ``verify_on_load`` the one that proves intact: local files are checksummed as the load
+    reads them, in the same pass, each rank its share; a failure falls back as configured.
+    Returns the plan loaded and the pieces restored."""
+    if not config.verify_on_load:
+        return plan, restore(plan.store, plan.name, plan.model_only)
+    fused = (  # DCP data on local files: the reader checksums it as it loads
+        plan.store.local_dir(plan.name) is not None
+        and METADATA in plan.store.list_names(plan.name)
+    )
+    checked = verified(plan, config, store, checksums=not fused)
+    if checked is plan and fused:
+        share = checksum_share(plan.store, plan.name) or {}
+        try:
+            return plan, restore(plan.store, plan.name, plan.model_only, checksums=share)
+        except FailedVerification as e:
+            checked = fallback(plan, e.problems, config, store)
+    # A fallback step (verified by a pass of its own), or a remote one (verified before).
+    return checked, restore(checked.store, checked.name, checked.model_only)

@@ -128,10 +128,8 @@ class CheckpointManager:
         if plan.name is None:
             logger.info("checkpoint: %s", plan.reason)
             return None
-        if self.config.verify_on_load:
-            plan = load_plan.verified(plan, self.config, self.store)
         start = time.perf_counter()
-        loaded = self._restore(plan.store, plan.name, plan.model_only)
+        plan, loaded = load_plan.restore_verified(plan, self.config, self.store, self._restore)
         seconds, pieces = time.perf_counter() - start, ", ".join(loaded)
         logger.info(
             f"checkpoint: loaded {plan.location} ({plan.reason}; {pieces}) in {seconds:.2f}s"
@@ -146,7 +144,12 @@ class CheckpointManager:
         return self._restore(store, name, model_only)
 
     def _restore(
-        self, store: Any, name: str, model_only: bool, own_rank: bool = False
+        self,
+        store: Any,
+        name: str,
+        model_only: bool,
+        own_rank: bool = False,
+        checksums: dict[str, str] | None = None,
     ) -> list[str]:
         return restore(
             store,
@@ -158,6 +161,7 @@ class CheckpointManager:
             rng=self.save_rng,
             hf=self.hf_model,
             own_rank=own_rank,
+            checksums=checksums,
         )
 
     def verify(self, path: str | Path) -> list[str]:

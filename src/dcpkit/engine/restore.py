@@ -31,6 +31,7 @@ from dcpkit.engine.states import (
     rng_source_rank,
 )
 from dcpkit.errors import CheckpointError, first_failure
+from dcpkit.formats.dcp_reader import DirectFileSystemReader
 from dcpkit.layout import HF_FILES, METADATA, MODEL, RNG, is_model_key
 from dcpkit.manifest import format_problem
 from dcpkit.safe_pickle import UnsafeCheckpoint, safe_load_planner
@@ -61,8 +62,12 @@ def restore(
     rng: bool = True,
     hf: HFCodec | None = None,
     own_rank: bool = False,
+    checksums: dict[str, str] | None = None,
 ) -> list[str]:
     """Load checkpoint ``name`` of ``store`` into the live state; returns the pieces restored.
+    ``checksums``: this rank's share of the files to verify as they are read (local files);
+    a mismatch raises :class:`FailedVerification` once every rank has read, with the live
+    state partly loaded (load another checkpoint, or stop).
     ``own_rank``: a checkpoint of this rank alone (the memory tier), read without collectives,
     its per-rank values and RNG this rank's own."""
     location = store.location(name)
@@ -75,7 +80,7 @@ def restore(
     if unknown is not None:
         raise CheckpointError(f"{location}: {unknown}")
     try:
-        metadata = store.dcp_reader(name).read_metadata()
+        metadata = dcp_reader(store, name).read_metadata()
     except FileNotFoundError:
         raise CheckpointError(f"{location} is not a checkpoint: it has no {METADATA}") from None
     except UnsafeCheckpoint as e:
@@ -126,11 +131,12 @@ def restore(
     elif want_rng:
         why = "a model-only save" if (manifest or {}).get("model_only") else "not written by dcpkit"
         logger.warning("checkpoint: %s holds no RNG state (%s); RNG starts fresh", location, why)
+    reader = dcp_reader(store, name, checksums)
     try:
         with dist.quiet_single_process():
             dcp.load(
                 template,
-                storage_reader=store.dcp_reader(name),
+                storage_reader=reader,
                 planner=safe_load_planner(),
                 no_dist=own_rank or not dist.is_dist(),
             )
@@ -138,6 +144,11 @@ def restore(
         raise CheckpointError(f"{location}: {first_failure(e)}") from None
     except UnsafeCheckpoint as e:
         raise CheckpointError(f"{location}: {e}") from None
+    if checksums is not None:
+        problems = getattr(reader, "problems", [])
+        found = sorted({str(p) for part in dist.all_gather_object(problems) for p in part})
+        if found:
+            raise FailedVerification(location, found)
     model.load_state_dict({k: template[k] for k in model_sd})
     for group in wanted:
         obj = states[group]
@@ -237,6 +248,25 @@ def load_hf(store: Any, name: str, model: ModelState, hf: HFCodec | None) -> Non
                 )
             for part in model.parts:
                 set_model_state_dict(part, {ours: tensor}, options=options)
+
+
+class FailedVerification(CheckpointError):
+    """A load found files of the checkpoint that do not match their manifest checksums."""
+
+    def __init__(self, location: str, problems: list[str]) -> None:
+        super().__init__(f"{location} failed verification: {'; '.join(problems[:5])}")
+        self.problems = problems
+
+
+def dcp_reader(store: Any, name: str, checksums: dict[str, str] | None = None) -> Any:
+    """The reader of checkpoint ``name``: direct reads into the destination tensors when its
+    files are local (verifying ``checksums`` as they stream through), else the store's own."""
+    folder = store.local_dir(name)
+    if folder is not None:
+        return DirectFileSystemReader(folder, checksums=checksums)
+    if checksums:
+        raise ValueError("checksums are verified while loading local files only")
+    return store.dcp_reader(name)
 
 
 _RNG_KEY = re.compile(rf"^{RNG}\.rank_(\d+)(\.|$)")

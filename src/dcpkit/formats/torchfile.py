@@ -237,26 +237,57 @@ class TorchSaveFile:
         view = full.as_strided(ref.shape, ref.stride, ref.storage_offset)
         return (view if rows is None else view[rows[0] : rows[1]]).clone()
 
-    def _read_bytes(self, record: str, offset: int, length: int) -> bytearray:
+    def read_into(self, ref: TensorRef, out: torch.Tensor, rows: tuple[int, int]) -> bool:
+        """Rows ``[start, stop)`` of ``ref`` read straight into ``out`` (contiguous, CPU, its
+        dtype, those rows' shape); False (nothing read) when ``ref`` is not contiguous."""
+        if not ref.is_contiguous() or not ref.shape:
+            return False
+        row = ref.nbytes // ref.shape[0] if ref.shape[0] else 0
+        first = ref.storage_offset * _itemsize(ref.dtype) + rows[0] * row
+        length = (rows[1] - rows[0]) * row
+        if out.numel() * out.element_size() != length:
+            raise ValueError(f"{out.numel()} elements cannot hold rows {rows} of {ref.shape}")
+        self._check_span(ref.record, first, length)
+        if length:
+            self._read_exactly(ref.record, first, out.reshape(-1).view(torch.uint8).numpy())
+        return True
+
+    def storage_span(
+        self, ref: TensorRef, nbytes: int, rows: tuple[int, int]
+    ) -> tuple[int, int] | None:
+        """(absolute file offset, bytes) of ``ref``'s whole record, when rows ``rows`` read
+        contiguously (``nbytes`` of them) are exactly that record; else None."""
+        if ref.storage_offset or rows[0] or nbytes != self._sizes.get(ref.record):
+            return None
+        return self.start + self._offsets[ref.record], nbytes
+
+    def _check_span(self, record: str, offset: int, length: int) -> None:
         size = self._sizes.get(record)
         if size is None:
             raise ValueError(f"the archive has no record {record}")
         if offset < 0 or length < 0 or offset + length > size:
-            # Never allocate what the file does not hold (a corrupt or hostile pickle).
+            # Never read past what the record holds (a corrupt or hostile pickle).
             raise ValueError(
                 f"a tensor claims bytes {offset} to {offset + length} of record {record}, which "
                 f"holds {size}: the file is corrupt"
             )
-        self.f.seek(self.start + self._offsets[record] + offset)
+
+    def _read_bytes(self, record: str, offset: int, length: int) -> bytearray:
+        # Checked first: never allocate what the file does not hold (a corrupt or hostile pickle).
+        self._check_span(record, offset, length)
         buf = bytearray(length)
-        view = memoryview(buf)
-        got = 0
-        while got < length:
+        self._read_exactly(record, offset, buf)
+        return buf
+
+    def _read_exactly(self, record: str, offset: int, buf: Any) -> None:
+        """Fill ``buf`` from ``offset`` of ``record``."""
+        self.f.seek(self.start + self._offsets[record] + offset)
+        view, got = memoryview(buf).cast("B"), 0
+        while got < len(view):
             n = self.f.readinto(view[got:])
             if not n:
                 raise ValueError(f"the file ends inside record {record}: it is truncated")
             got += n
-        return buf
 
 
 def _from_bytes(buf: bytearray, dtype: torch.dtype) -> torch.Tensor:

@@ -252,6 +252,11 @@ class CheckpointStore(ABC):
         self, name: str, step: int | None = None, kill_pid: int | None = None, is_dir: bool = True
     ) -> PendingStep: ...
 
+    def local_dir(self, name: str) -> Path | None:
+        """The folder of ``name`` on this machine's file system, when the store is one (its
+        DCP data can then be read with direct file reads); None otherwise."""
+        return None
+
     @abstractmethod
     def dcp_reader(self, name: str) -> Any:
         """A DCP ``StorageReader`` of checkpoint ``name``."""

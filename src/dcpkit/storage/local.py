@@ -9,13 +9,16 @@ checkpoint as "latest" or the new one, complete. A deletion renames to ``.old-NA
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from dcpkit.layout import (
     HF_FILES,
@@ -41,12 +44,70 @@ SafeFileSystemReader = safe_reader(FileSystemReader)
 """DCP's file system reader, reading ``.metadata`` without running code."""
 
 
-class StepFileWriter(CrashPointWriter, FileSystemWriter):
-    """DCP's file system writer, with the ``mid_write`` crash point."""
+class _HashingStream(io.RawIOBase):
+    """A file being written, hashed (xxh3-64) as its bytes go by."""
 
-    def __init__(self, path: Path, step: int | None, kill_pid: int | None = None) -> None:
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.hash, self.size, self.in_order = raw, xxhash.xxh3_64(), 0, True
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = self.raw.write(b)
+        self.hash.update(b)
+        self.size += len(memoryview(b).cast("B"))
+        return n
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def seek(self, *args: Any) -> int:
+        self.in_order = False  # the bytes hashed are no longer the file's: read it back
+        return self.raw.seek(*args)
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's file system, recording each written file's checksum in ``digests`` (name ->
+    (xxh3-64, size)) so that the manifest need not read the files back."""
+
+    def __init__(self, digests: dict[str, tuple[str, int]]) -> None:
+        super().__init__()
+        self.digests = digests
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+            if hashing.in_order:
+                self.digests[Path(path).name] = (hashing.hash.hexdigest(), hashing.size)
+
+
+class StepFileWriter(CrashPointWriter, FileSystemWriter):
+    """DCP's file system writer, with the ``mid_write`` crash point; with ``digests``, each
+    file's checksum is computed on its bytes as they are written."""
+
+    def __init__(
+        self,
+        path: Path,
+        step: int | None,
+        kill_pid: int | None = None,
+        digests: dict[str, tuple[str, int]] | None = None,
+    ) -> None:
         super().__init__(str(path))
         self._step, self._kill_pid = step, kill_pid
+        if digests is not None:
+            self.fs = _HashingFileSystem(digests)
 
 
 def fsync_dir(path: Path) -> None:
@@ -145,6 +206,9 @@ class LocalStore(CheckpointStore):
     def dcp_reader(self, name: str) -> Any:
         return SafeFileSystemReader(self.location(name))
 
+    def local_dir(self, name: str) -> Path | None:
+        return self._p(name)
+
     @contextlib.contextmanager
     def view(self, name: str, data: bool = True) -> Iterator[CheckpointView]:
         path = self._p(name)
@@ -186,6 +250,7 @@ class LocalPending(PendingStep):
         super().__init__(store, name, step, kill_pid, is_dir)
         self.tmp = store.path / f"{TEMP_PREFIX}{name}"
         self.final = store.path / name
+        self.digests: dict[str, tuple[str, int]] = {}  # checksums taken as files were written
 
     def prepare(self) -> None:
         # What an earlier attempt left; anything else in the way makes the write fail, naming it.
@@ -196,7 +261,7 @@ class LocalPending(PendingStep):
             self.tmp.mkdir()
 
     def dcp_writer(self) -> Any:
-        return StepFileWriter(self.tmp, self.step, self.kill_pid)
+        return StepFileWriter(self.tmp, self.step, self.kill_pid, self.digests)
 
     def scratch(self) -> Path:
         return self.tmp
@@ -208,9 +273,12 @@ class LocalPending(PendingStep):
         out: dict[str, dict[str, Any]] = {}
         for name in names:
             path = self.tmp / name
-            with open(path, "rb") as f:
-                digest = checksum_stream(f)
-            out[name] = {"size": path.stat().st_size, CHECKSUM_ALGORITHM: digest}
+            size = path.stat().st_size
+            digest, written = self.digests.get(name, ("", -1))
+            if written != size:  # not written by this process's DCP writer: read it back
+                with open(path, "rb") as f:
+                    digest = checksum_stream(f)
+            out[name] = {"size": size, CHECKSUM_ALGORITHM: digest}
         return out
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:

@@ -1,0 +1,257 @@
+"""IO at the limit: checkpoint save and load against raw IO of the same bytes, in one run.
+
+    python benchmarks/io_speed.py [--gb 4] [--nproc 1 2] [--reps 3] [--json PATH]
+
+For each world size, a Llama-shaped model + AdamW state of about ``--gb`` GiB is FSDP-sharded
+over the ranks (torchrun, gloo). Everything timed goes through ``CheckpointManager``'s public
+API, slowest rank, all ranks starting together:
+- sync save (``save()`` of a full checkpoint, durable and published) against a raw write of each
+  rank's state bytes into one file per rank with one fsync;
+- load (``load()`` of a manager, as at a resume) with ``verify_on_load`` off and on, against a raw
+  parallel read of the checkpoint's files into memory (the same bytes, the same threads per
+  rank, each rank its share of the files) - with the page cache warm, and dropped (every file
+  evicted with ``posix_fadvise``) before each cold read; and, beside it, what a loop without
+  dcpkit does: PyTorch's ``dcp.load`` (its ``FileSystemReader``) + ``set_state_dict`` of the
+  same state, saved by ``dcp.save``.
+Medians over ``--reps`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _evict(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _raw_write(tensors: list[torch.Tensor], path: Path) -> None:
+    with open(path, "wb") as f:
+        for t in tensors:
+            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _raw_read(files: list[Path], threads: int, into: torch.Tensor) -> None:
+    """Read ``files`` into ``into`` (preallocated, as large as they are), in ``threads``
+    byte-balanced pieces."""
+    pieces, at = [], 0
+    for path in files:
+        size = path.stat().st_size
+        step = max(1, -(-size // threads))
+        for start in range(0, size, step):
+            n = min(step, size - start)
+            pieces.append((path, start, at, n))
+            at += n
+    view = into.numpy()
+
+    def read(piece) -> None:  # type: ignore[no-untyped-def]
+        path, start, dest, n = piece
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            mv, got = memoryview(view[dest : dest + n]), 0
+            while got < n:
+                got += f.readinto(mv[got:])
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, pieces))
+
+
+def worker(gib: float, work: Path, reps: int) -> None:
+    import torch.distributed as td
+    from recovery import _local, build
+
+    from dcpkit import CheckpointConfig, CheckpointManager
+    from dcpkit.formats.dcp_reader import default_threads
+
+    td.init_process_group("gloo")
+    rank, world = td.get_rank(), td.get_world_size()
+    model, opt = build(gib)
+    tensors = [_local(p.detach()) for p in model.parameters()]
+    for st in opt.state.values():
+        tensors += [_local(v) for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+    rank_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    out: dict[str, list[float]] = {}
+
+    def timed(key: str, fn) -> None:  # type: ignore[no-untyped-def]
+        td.barrier()
+        t0 = time.perf_counter()
+        fn()
+        td.barrier()
+        out.setdefault(key, []).append(time.perf_counter() - t0)
+
+    folder = work / "run"
+    ckpt = folder / "checkpoint" / "step-1"
+    for _ in range(reps):
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        td.barrier()
+        cfg = CheckpointConfig(enable=True, interval=1, keep_latest_k=0)
+        mgr = CheckpointManager(cfg, folder, model, optimizer=opt)
+        timed("save_s", lambda: mgr.save(1, force=True))  # noqa: B023
+        mgr.close()
+        raw = work / f"raw-{rank}.bin"
+        timed("raw_write_fsync_s", lambda: _raw_write(tensors, raw))  # noqa: B023
+        raw.unlink()
+    files = sorted(p for p in ckpt.iterdir() if p.is_file())
+    mine = files[rank::world]
+    threads = default_threads()
+    into = torch.empty(sum(p.stat().st_size for p in mine), dtype=torch.uint8)
+    into.fill_(0)
+
+    managers = {
+        verify: CheckpointManager(
+            CheckpointConfig(enable=True, interval=1, verify_on_load=verify),
+            folder,
+            model,
+            optimizer=opt,
+        )
+        for verify in (False, True)
+    }
+
+    def load(verify: bool) -> None:
+        assert managers[verify].load() == 1
+
+    def torch_load() -> None:
+        """What a loop without dcpkit does: DCP's own reader, then set_state_dict."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(work / "torch"))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(work / "torch"))
+    del msd, osd
+
+    for _ in range(reps):
+        timed("raw_read_warm_s", lambda: _raw_read(mine, threads, into))
+        timed("load_warm_s", lambda: load(False))
+        timed("load_verify_warm_s", lambda: load(True))
+        timed("torch_load_warm_s", torch_load)
+    for _ in range(reps):
+        for key, fn in (
+            ("raw_read_cold_s", lambda: _raw_read(mine, threads, into)),
+            ("load_cold_s", lambda: load(False)),
+            ("load_verify_cold_s", lambda: load(True)),
+            ("torch_load_cold_s", torch_load),
+        ):
+            if rank == 0:
+                _evict(ckpt)
+                _evict(work / "torch")
+            timed(key, fn)
+    for mgr in managers.values():
+        mgr.close()
+    ckpt_bytes = sum(p.stat().st_size for p in files)
+    result = {k: statistics.median(v) for k, v in out.items()}
+    result.update(rank_bytes=rank_bytes, checkpoint_bytes=ckpt_bytes, threads=threads)
+    gathered: list = [None] * world
+    td.all_gather_object(gathered, result)
+    if rank == 0:
+        print("RESULT " + json.dumps(gathered), flush=True)
+    td.destroy_process_group()
+
+
+ROWS = [
+    ("sync save", "save_s", "raw_write_fsync_s", "raw write + fsync"),
+    ("load, page cache warm", "load_warm_s", "raw_read_warm_s", "raw parallel read"),
+    ("load + verify, warm", "load_verify_warm_s", "raw_read_warm_s", "raw parallel read"),
+    ("load, page cache dropped", "load_cold_s", "raw_read_cold_s", "raw parallel read"),
+    ("load + verify, dropped", "load_verify_cold_s", "raw_read_cold_s", "raw parallel read"),
+    (
+        "PyTorch dcp.load + set_state_dict, warm",
+        "torch_load_warm_s",
+        "raw_read_warm_s",
+        "raw parallel read",
+    ),
+    (
+        "PyTorch dcp.load + set_state_dict, dropped",
+        "torch_load_cold_s",
+        "raw_read_cold_s",
+        "raw parallel read",
+    ),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=4.0)
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder)")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.worker:
+        worker(opts.gb, opts.worker, opts.reps)
+        return 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
+    results = {}
+    for nproc in opts.nproc:
+        work = Path(tempfile.mkdtemp(prefix="dcpkit-io-", dir=opts.workdir))
+        try:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            cmd += [f"--nproc-per-node={nproc}", __file__, "--gb", str(opts.gb)]
+            cmd += ["--reps", str(opts.reps), "--worker", str(work)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+                return 1
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        ranks = json.loads(line[len("RESULT ") :])
+        slowest = {k: max(r[k] for r in ranks) for k in ranks[0] if k.endswith("_s")}
+        size = ranks[0]["checkpoint_bytes"]
+        state = sum(r["rank_bytes"] for r in ranks)
+        results[nproc] = {"slowest": slowest, "ranks": ranks, "checkpoint_bytes": size}
+        print(
+            f"\n{nproc} rank(s): {state / (1 << 30):.2f} GiB of model + AdamW state, checkpoint "
+            f"{size / (1 << 30):.2f} GiB, {ranks[0]['threads']} read threads per rank"
+        )
+        print("| operation | seconds | GiB/s | baseline | baseline GiB/s | x baseline |")
+        print("|---|---|---|---|---|---|")
+        for name, key, base, base_name in ROWS:
+            s, b = slowest[key], slowest[base]
+            gbps = size / (1 << 30) / s
+            print(
+                f"| {name} | {s:.3f} | {gbps:.2f} | {base_name} | "
+                f"{size / (1 << 30) / b:.2f} | {b / s:.2f} |"
+            )
+        verify_cost = slowest["load_verify_warm_s"] / slowest["load_warm_s"] - 1
+        print(f"verify-on-load costs {100 * verify_cost:+.1f}% (warm)")
+    if opts.json:
+        opts.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nwrote {opts.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""A DCP ``StorageReader`` for local files that reads each stored chunk straight into its
+destination tensor.
+
+DCP's own ``FileSystemReader`` deserializes every stored chunk into a temporary tensor with
+``torch.load`` and then copies the part it needs into the destination: the bytes are copied two
+or three times, one chunk after another. This reader parses each chunk's ``torch.save`` record
+itself (the allow-list parser of ``dcpkit.formats.torchfile``, which runs no code), and reads the
+rows the destination needs with ``readinto`` into the destination's own memory when it is a
+contiguous CPU tensor of the stored dtype (every FSDP shard, every replicated tensor); other
+destinations (a column slice, another dtype, a GPU tensor) get the stored rows read once and
+copied. The reads of a rank are split into byte-balanced runs over ``thread_count`` threads,
+each with its own file handles (file reads release the GIL).
+
+It stays a ``FileSystemReader`` (same metadata, same plans), so every checkpoint DCP or
+TorchTitan wrote loads, at any other layout; stored chunks with storage transforms (DCP's
+compression extensions) are read by DCP's own path.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
+
+from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
+from dcpkit.manifest import Problem
+from dcpkit.safe_pickle import safe_reader
+
+
+def default_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[misc]
+    """Reads stored chunks straight into the destination tensors, in parallel."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        thread_count: int | None = None,
+        checksums: dict[str, str] | None = None,
+    ) -> None:
+        """``checksums``: file name -> expected xxh3-64 of the files this rank verifies while it
+        loads (each hashed in one pass as its bytes stream through, the bytes the load does not
+        need read only to be hashed); their problems, and any read failure, are then collected
+        in ``problems`` instead of raised."""
+        super().__init__(path)
+        self.thread_count = thread_count or default_threads()
+        self.checksums = dict(checksums or {})
+        self.problems: list[Problem] = []
+
+    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+        items = []
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if getattr(info, "transform_descriptors", None):
+                if self.checksums:
+                    raise ValueError("fused verification cannot read transformed storage")
+                return super().read_data(plan, planner)
+            items.append((info.relative_path, info.offset, info.length, item))
+        items.sort(key=lambda x: (x[0], x[1]))
+        verified = {name: [e for e in items if e[0] == name] for name in self.checksums}
+        rest = [e for e in items if e[0] not in self.checksums]
+        units: list[Any] = [(self._verify_file, name, run) for name, run in verified.items()]
+        units += [(self._read_run, run) for run in _split(rest, self.thread_count)]
+        units.sort(key=lambda u: -sum(e[2] for e in u[-1]))  # largest first
+        if len(units) <= 1:
+            for fn, *args in units:
+                self._guarded(fn, *args, planner)
+        else:
+            workers = min(len(units), self.thread_count)
+            with ThreadPoolExecutor(workers, thread_name_prefix="dcpkit-read") as pool:
+                futures = [pool.submit(self._guarded, fn, *a, planner) for fn, *a in units]
+                for future in futures:
+                    future.result()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        if not self.checksums:
+            fn(*args)
+            return
+        try:
+            fn(*args)
+        except (ValueError, OSError) as e:  # reported with the checksum problems
+            self.problems.append(Problem("", f"read failed: {e}"))
+
+    def _verify_file(self, name: str, run: list[tuple[str, int, int, Any]], planner: Any) -> None:
+        """Load this rank's items of file ``name`` and hash the whole file in the same pass."""
+        path = Path(self.path) / name
+        h = xxhash.xxh3_64()
+        archives: dict[int, TorchSaveFile] = {}
+        with open(path, "rb") as f:
+            pos, last = 0, -1
+            for _, offset, length, item in run:
+                again = offset == last  # another part of the record just hashed
+                if offset < pos and not again:
+                    raise ValueError(f"{path}: records overlap at byte {offset}")
+                if not again:
+                    _hash_range(f, pos, offset, h)
+                try:
+                    _load_item(f, offset, length, item, planner, archives, None if again else h)
+                except (ValueError, zipfile.BadZipFile) as e:
+                    self.problems.append(Problem(name, f"{item.storage_index.fqn}: {e}"))
+                    if not again:
+                        _hash_range(f, offset, offset + length, h)
+                pos, last = max(pos, offset + length), offset
+            f.seek(0, os.SEEK_END)
+            _hash_range(f, pos, f.tell(), h)
+        if h.hexdigest() != self.checksums[name]:
+            self.problems.append(
+                Problem(name, "checksum mismatch: the file's bytes changed after it was written")
+            )
+
+    def _read_run(self, run: list[tuple[str, int, int, Any]], planner: Any) -> None:
+        handles: dict[str, Any] = {}
+        archives: dict[str, dict[int, TorchSaveFile]] = {}
+        try:
+            for relative, offset, length, item in run:
+                path = Path(self.path) / relative
+                f = handles.get(relative)
+                if f is None:
+                    f = handles[relative] = open(path, "rb")  # noqa: SIM115
+                try:
+                    cache = archives.setdefault(relative, {})
+                    _load_item(f, offset, length, item, planner, cache, None)
+                except (ValueError, zipfile.BadZipFile) as e:
+                    raise ValueError(f"{path}: {item.storage_index.fqn}: {e}") from None
+        finally:
+            for f in handles.values():
+                f.close()
+
+
+def _split(items: list[tuple[str, int, int, Any]], n: int) -> list[list[Any]]:
+    """``items`` (sorted by file and offset) cut into at most ``n`` runs of about equal bytes."""
+    total = sum(length for _, _, length, _ in items)
+    if n <= 1 or total == 0:
+        return [items] if items else []
+    share = total / n
+    runs: list[list[Any]] = [[]]
+    acc = 0
+    for entry in items:
+        if runs[-1] and acc >= share * len(runs) and len(runs) < n:
+            runs.append([])
+        runs[-1].append(entry)
+        acc += entry[2]
+    return runs
+
+
+def _hash_range(f: Any, start: int, stop: int, h: Any) -> None:
+    """Feed bytes ``[start, stop)`` of ``f`` to the hash ``h``."""
+    f.seek(start)
+    left = stop - start
+    while left > 0:
+        block = f.read(min(left, 16 << 20))
+        if not block:
+            raise ValueError("the file ends before its last record: truncated")
+        h.update(block)
+        left -= len(block)
+
+
+def _load_item(
+    f: Any,
+    offset: int,
+    length: int,
+    item: Any,
+    planner: Any,
+    archives: dict[int, TorchSaveFile],
+    h: Any,
+) -> None:
+    """Load one read item from the record at ``[offset, offset + length)`` of ``f``; with a hash
+    ``h``, also feed it every byte of the record, in order (the tensor's bytes from where they
+    landed)."""
+    if item.type == LoadItemType.BYTE_IO:
+        f.seek(offset)
+        data = f.read(length)
+        if len(data) != length:
+            raise ValueError("the file ends inside this record: truncated")
+        if h is not None:
+            h.update(data)
+        planner.load_bytes(item, io.BytesIO(data))
+        return
+    archive = archives.get(offset)
+    if archive is None:
+        archive = archives[offset] = TorchSaveFile(f, offset, length)
+    target = planner.resolve_tensor(item).detach()
+    span = _fill(archive, item, target)
+    planner.commit_tensor(item, target)
+    if h is None:
+        return
+    if span is None:  # the bytes did not land in one piece: hash the record as stored
+        _hash_range(f, offset, offset + length, h)
+        return
+    start, nbytes = span
+    _hash_range(f, offset, start, h)
+    h.update(memoryview(target.reshape(-1).view(torch.uint8).numpy()))
+    _hash_range(f, start + nbytes, offset + length, h)
+
+
+def _fill(archive: TorchSaveFile, item: Any, target: torch.Tensor) -> tuple[int, int] | None:
+    """Copy the part of the stored tensor that ``item`` asks for into ``target``. Returns the
+    file span (offset, bytes) of the record's whole storage when it landed in ``target``
+    byte for byte, else None."""
+    """Copy the part of the stored tensor that ``item`` asks for into ``target``."""
+    ref = archive.obj
+    if not isinstance(ref, TensorRef):
+        raise ValueError("the stored bytes are not a tensor")
+    shape = list(ref.shape)
+    offs, lens = list(item.storage_offsets), list(item.lengths)
+    if len(offs) != len(shape) or any(o < 0 or o + n > s for o, n, s in zip(offs, lens, shape)):
+        raise ValueError(
+            f"the plan asks for {lens} at {offs} of a stored {shape} tensor: the checkpoint's "
+            "metadata does not match its data"
+        )
+    if list(target.shape) != lens:
+        raise ValueError(f"the destination is {list(target.shape)}, the stored part {lens}")
+    if not shape:
+        target.copy_(archive.read(ref))
+        return None
+    rows = (offs[0], offs[0] + lens[0])
+    whole_rows = offs[1:] == [0] * (len(shape) - 1) and lens[1:] == shape[1:]
+    if (
+        whole_rows
+        and target.device.type == "cpu"
+        and target.dtype == ref.dtype
+        and target.is_contiguous()
+        and archive.read_into(ref, target, rows)
+    ):
+        return archive.storage_span(ref, target.numel() * target.element_size(), rows)
+    part = archive.read(ref, rows)
+    for dim in range(1, len(shape)):
+        part = part.narrow(dim, offs[dim], lens[dim])
+    target.copy_(part)
+    return None
