@@ -184,8 +184,7 @@ def restore_verified(
     if not config.verify_on_load:
         return plan, restore(plan.store, plan.name, plan.model_only)
     fused = (  # DCP data on local files: the reader checksums it as it loads
-        plan.store.local_dir(plan.name) is not None
-        and METADATA in plan.store.list_names(plan.name)
+        plan.store.local_dir(plan.name) is not None and METADATA in plan.store.list_names(plan.name)
     )
     checked = verified(plan, config, store, checksums=not fused)
     if checked is plan and fused:
