@@ -35,17 +35,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _evict(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def _raw_write(tensors: list[torch.Tensor], path: Path) -> None:
     with open(path, "wb") as f:
         for t in tensors:
@@ -81,7 +70,7 @@ def _raw_read(files: list[Path], threads: int, into: torch.Tensor) -> None:
 
 def worker(gib: float, work: Path, reps: int) -> None:
     import torch.distributed as td
-    from recovery import _local, build
+    from recovery import _evict, _local, build
 
     from dcpkit import CheckpointConfig, CheckpointManager
     from dcpkit.formats.dcp_reader import default_threads

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -198,6 +198,13 @@ class ModelAdapter(ABC):
             raise ConversionError(
                 f"unknown {self.family} flavor {flavor!r}; known flavors: {', '.join(self.flavors)}"
             ) from None
+
+    def known_flavor(self, args: Any) -> Any:
+        """The named flavor ``args`` describe (whatever their context length), else ``args``."""
+        for known in self.flavors.values():
+            if replace(known, max_seq_len=args.max_seq_len) == args:
+                return known
+        return args
 
     def flavor_name(self, args: Any) -> str | None:
         for name, known in self.flavors.items():

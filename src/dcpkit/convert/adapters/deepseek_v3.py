@@ -10,12 +10,16 @@ transformers' model does not use it, and an import drops it, listed.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 
-from dcpkit.convert.adapters.base import ConversionError, KeyPlan, ModelAdapter
+from dcpkit.convert.adapters.base import (
+    ConversionError,
+    KeyPlan,
+    ModelAdapter,
+    decoder_hf_config,
+)
 from dcpkit.convert.adapters.llama3 import Llama3Adapter
 from dcpkit.convert.adapters.moe import (
     MOE_ALIASES,
@@ -111,7 +115,6 @@ class DeepSeekV3Adapter(ModelAdapter):
                 "transformers' DeepseekV3 routes by sigmoid scores; this model routes by "
                 f"{m.score_func} and cannot be exported as deepseek_v3"
             )
-        dtype_name = str(dtype).removeprefix("torch.")
         rope_scaling = None
         if args.rope_factor > 1:
             rope_scaling = {
@@ -127,12 +130,9 @@ class DeepSeekV3Adapter(ModelAdapter):
         return {
             "architectures": ["DeepseekV3ForCausalLM"],
             "model_type": "deepseek_v3",
-            "hidden_size": args.dim,
-            "intermediate_size": args.hidden_dim,
+            # head_dim: the rope part of a head, as transformers' DeepseekV3Config defines it.
+            **decoder_hf_config(args, args.hidden_dim, args.qk_rope_head_dim, dtype, bos, eos),
             "moe_intermediate_size": m.hidden_dim,
-            "num_hidden_layers": args.n_layers,
-            "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.n_heads,
             "n_shared_experts": m.num_shared_experts,
             "n_routed_experts": m.num_experts,
             "num_experts_per_tok": m.top_k,
@@ -147,22 +147,8 @@ class DeepSeekV3Adapter(ModelAdapter):
             "qk_rope_head_dim": args.qk_rope_head_dim,
             "v_head_dim": args.v_head_dim,
             "rope_interleave": True,
-            "rope_theta": args.rope_theta,
             "rope_scaling": rope_scaling,
-            "max_position_embeddings": args.max_seq_len,
-            "rms_norm_eps": args.norm_eps,
-            "vocab_size": args.vocab_size,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "initializer_range": 0.02,
             "num_nextn_predict_layers": 0,
-            "tie_word_embeddings": args.tie_word_embeddings,
-            "use_cache": True,
-            "bos_token_id": bos,
-            "eos_token_id": eos,
-            "torch_dtype": dtype_name,
-            "dtype": dtype_name,
         }
 
     def args_from_hf_config(self, config: dict[str, Any]) -> DeepSeekV3Args:
@@ -214,7 +200,4 @@ class DeepSeekV3Adapter(ModelAdapter):
             max_seq_len=config.get("max_position_embeddings", 163840),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
-        for known in self.flavors.values():
-            if replace(known, max_seq_len=args.max_seq_len) == args:
-                return known
-        return args
+        return self.known_flavor(args)

@@ -3,7 +3,6 @@ TorchTitan's qwen3 already rotates halves, as HF does."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -78,22 +77,23 @@ class Qwen3Adapter(ModelAdapter):
                 f"config.json has model_type {config.get('model_type')!r}, not 'qwen3'; "
                 "use the adapter of that family"
             )
-        rope = config.get("rope_parameters") or {}
-        args = Qwen3Args(
-            dim=config["hidden_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=config["num_attention_heads"],
-            n_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-            head_dim=config.get("head_dim")
-            or config["hidden_size"] // config["num_attention_heads"],
-            hidden_dim=config["intermediate_size"],
-            vocab_size=config["vocab_size"],
-            norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(config.get("rope_theta") or rope.get("rope_theta", 1e6)),
-            max_seq_len=config.get("max_position_embeddings", 40960),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-        )
-        for known in self.flavors.values():
-            if replace(known, max_seq_len=args.max_seq_len) == args:
-                return known
-        return args
+        return self.known_flavor(Qwen3Args(**qwen3_fields(config, tie_default=True)))
+
+
+def qwen3_fields(config: dict[str, Any], tie_default: bool) -> dict[str, Any]:
+    """The Qwen 3 attention, norm and embedding fields of an HF ``config.json``."""
+    rope = config.get("rope_parameters") or {}
+    return {
+        "dim": config["hidden_size"],
+        "n_layers": config["num_hidden_layers"],
+        "n_heads": config["num_attention_heads"],
+        "n_kv_heads": config.get("num_key_value_heads", config["num_attention_heads"]),
+        "head_dim": config.get("head_dim")
+        or config["hidden_size"] // config["num_attention_heads"],
+        "hidden_dim": config["intermediate_size"],
+        "vocab_size": config["vocab_size"],
+        "norm_eps": config.get("rms_norm_eps", 1e-6),
+        "rope_theta": float(config.get("rope_theta") or rope.get("rope_theta", 1e6)),
+        "max_seq_len": config.get("max_position_embeddings", 40960),
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", tie_default)),
+    }

@@ -3,7 +3,6 @@ HF tensor per expert and back; no RoPE permutation (both rotate halves)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -20,7 +19,7 @@ from dcpkit.convert.adapters.moe import (
     leading_dense_layers,
     moe_layer_shapes,
 )
-from dcpkit.convert.adapters.qwen3 import Qwen3Adapter
+from dcpkit.convert.adapters.qwen3 import Qwen3Adapter, qwen3_fields
 from dcpkit.models.moe import MoEArgs
 from dcpkit.models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeArgs
 
@@ -86,21 +85,9 @@ class Qwen3MoeAdapter(ModelAdapter):
                 f"config.json has model_type {config.get('model_type')!r}, not 'qwen3_moe'; "
                 "use the adapter of that family"
             )
-        rope = config.get("rope_parameters") or {}
         experts = config.get("num_experts") or config["num_local_experts"]
         args = Qwen3MoeArgs(
-            dim=config["hidden_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=config["num_attention_heads"],
-            n_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-            head_dim=config.get("head_dim")
-            or config["hidden_size"] // config["num_attention_heads"],
-            vocab_size=config["vocab_size"],
-            norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(config.get("rope_theta") or rope.get("rope_theta", 1e6)),
-            max_seq_len=config.get("max_position_embeddings", 40960),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            hidden_dim=config["intermediate_size"],
+            **qwen3_fields(config, tie_default=False),
             n_dense_layers=leading_dense_layers(config, self.family),
             moe=MoEArgs(
                 num_experts=int(experts),
@@ -110,7 +97,4 @@ class Qwen3MoeAdapter(ModelAdapter):
                 route_norm=bool(config.get("norm_topk_prob", False)),
             ),
         )
-        for known in self.flavors.values():
-            if replace(known, max_seq_len=args.max_seq_len) == args:
-                return known
-        return args
+        return self.known_flavor(args)
