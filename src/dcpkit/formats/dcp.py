@@ -201,19 +201,17 @@ class DCPCheckpoint:
         shape = list(md.size)
         if rows is not None:
             shape[0] = rows[1] - rows[0]
-        if len(md.chunks) == 1 and list(md.chunks[0].sizes) == list(md.size):
-            # One chunk holds the whole tensor: return what is read, without a second copy.
-            archive, ref = self._chunk(fqn, md.chunks[0])
-            return archive.read(ref, rows).view(shape)
-        if rows is not None:
-            # Rows inside one chunk that spans the other dimensions: read them alone, without
-            # assembling a copy (a row block then costs its own bytes once).
-            for chunk in md.chunks:
-                o, z = list(chunk.offsets), list(chunk.sizes)
-                whole = o[1:] == [0] * (len(o) - 1) and z[1:] == list(md.size)[1:]
-                if whole and o[0] <= rows[0] and rows[1] <= o[0] + z[0]:
-                    archive, ref = self._chunk(fqn, chunk)
-                    return archive.read(ref, (rows[0] - o[0], rows[1] - o[0])).view(shape)
+        # The rows asked for (all of them by default) inside one chunk that spans the other
+        # dimensions: return what is read, without assembling a second copy.
+        span = rows if rows is not None or not md.size else (0, md.size[0])
+        for chunk in md.chunks:
+            o, z = list(chunk.offsets), list(chunk.sizes)
+            if o[1:] != [0] * len(o[1:]) or z[1:] != list(md.size)[1:]:
+                continue
+            if span is None or (o[0] <= span[0] and span[1] <= o[0] + z[0]):
+                archive, ref = self._chunk(fqn, chunk)
+                local = None if span is None else (span[0] - o[0], span[1] - o[0])
+                return archive.read(ref, local).view(shape)
         out = torch.empty(shape, dtype=md.properties.dtype)
         for chunk in md.chunks:
             offsets, sizes = list(chunk.offsets), list(chunk.sizes)
