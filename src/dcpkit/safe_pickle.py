@@ -107,7 +107,28 @@ def load_metadata(f: BinaryIO, where: str) -> Any:
         )
     for info in (metadata.storage_data or {}).values():
         check_file_name(getattr(info, "relative_path", None), where)
+    _check_fields(metadata, where)
     return metadata
+
+
+def _check_fields(metadata: Any, where: str) -> None:
+    """Every entry has the fields DCP's objects are built with: a flipped byte in a field's
+    name unpickles into an object that lacks it, which would fail later, far from the file."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for key, md in (getattr(metadata, "state_dict_metadata", None) or {}).items():
+        fields = ("properties", "size", "chunks") if isinstance(md, TensorStorageMetadata) else ()
+        chunks = getattr(md, "chunks", None) or []
+        if any(not hasattr(md, f) for f in fields) or any(
+            not (hasattr(c, "offsets") and hasattr(c, "sizes")) for c in chunks
+        ):
+            raise UnsafeCheckpoint(
+                f"{where} is corrupt: the entry of {key!r} lacks its fields; restore it, or "
+                "use an earlier step"
+            )
+    for info in (metadata.storage_data or {}).values():
+        if not all(hasattr(info, f) for f in ("relative_path", "offset", "length")):
+            raise UnsafeCheckpoint(f"{where} is corrupt: a storage entry lacks its fields")
 
 
 _PLAIN_NAME = re.compile(r"^[^/\\\x00]+$")

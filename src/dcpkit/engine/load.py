@@ -118,24 +118,23 @@ def gather_problems(problems: list[Any]) -> list[str]:
 
 
 def verify_everywhere(
-    store: Any, name: str, require_commit: bool, checksums: bool = True
+    store: Any, name: str, require_commit: bool, only: set[str] | None = None
 ) -> list[str]:
-    """Problems with checkpoint ``name``; every rank checksums its share of the files (with
-    ``checksums``; else sizes and structure only). Empty when it is intact."""
+    """Problems with checkpoint ``name``; every rank checksums its share of the files (of
+    ``only`` these, when given; sizes and structure are checked for all). Empty when it is
+    intact."""
     share = checksum_share(store, name)
-    mine = None if share is None else sorted(share)
-    report = verify_checkpoint(
-        store, name, checksums=checksums, checksum_files=mine, require_commit=require_commit
-    )
+    mine = None if share is None else sorted(n for n in share if only is None or n in only)
+    report = verify_checkpoint(store, name, checksum_files=mine, require_commit=require_commit)
     return gather_problems(report.problems)
 
 
-def verified(plan: LoadPlan, config: Any, store: Any, checksums: bool = True) -> LoadPlan:
+def verified(plan: LoadPlan, config: Any, store: Any, only: set[str] | None = None) -> LoadPlan:
     """``plan`` if its checkpoint verifies; else the newest older one that does, when
-    ``fallback_on_corruption`` allows it; else an error listing the problems. Without
-    ``checksums`` (the load verifies them as it reads) sizes and structure are checked."""
+    ``fallback_on_corruption`` allows it; else an error listing the problems. ``only``: the
+    files to checksum now (the load checksums the others as it reads them)."""
     assert plan.name is not None
-    problems = verify_everywhere(plan.store, plan.name, plan.own, checksums)
+    problems = verify_everywhere(plan.store, plan.name, plan.own, only)
     if not problems:
         return plan
     return fallback(plan, problems, config, store)
@@ -186,9 +185,11 @@ def restore_verified(
     fused = (  # DCP data on local files: the reader checksums it as it loads
         plan.store.local_dir(plan.name) is not None and METADATA in plan.store.list_names(plan.name)
     )
-    checked = verified(plan, config, store, checksums=not fused)
+    # .metadata is parsed before any data is read: checksummed first, whatever the mode.
+    checked = verified(plan, config, store, only={METADATA} if fused else None)
     if checked is plan and fused:
         share = checksum_share(plan.store, plan.name) or {}
+        share.pop(METADATA, None)
         try:
             return plan, restore(plan.store, plan.name, plan.model_only, checksums=share)
         except FailedVerification as e:
