@@ -14,6 +14,10 @@ Protocol, in the order the manager calls it:
    process per rank for ``async_with_pinned_mem``. Its collectives run on a process group of
    their own.
 4. ``wait()`` blocks until the last save is durable; ``close()`` drains and stops the writer.
+
+Old steps that retention drops are handed to ``retire`` (the manager's background deleter)
+instead of being deleted by the writer: under backpressure the next save waits for the write
+only, not for the deletion.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -34,6 +39,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
 from dcpkit import dist
+from dcpkit.engine import planning
 from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.staged import StagedPlanner, StagedStep
 from dcpkit.engine.writer_process import WriterProcess
@@ -49,8 +55,12 @@ class AsyncSaveError(RuntimeError):
 class AsyncCheckpointer:
     """Staging buffers plus a background writer (a thread, or a persistent process)."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(
+        self, mode: str, retire: Callable[[Any, list[int]], None], plan_key: str = ""
+    ) -> None:
         self.mode = mode
+        self.retire = retire
+        self.plan_key = plan_key
         self.use_process = mode == "async_with_pinned_mem"
         # Page-locked buffers only when there is a device to copy from (decided per buffer).
         self.pin = self.use_process and torch.cuda.is_available()
@@ -95,7 +105,7 @@ class AsyncCheckpointer:
                 objects[fqn] = copy.deepcopy(obj)
             items.extend(self._write_items(fqn, obj))
         new_buffers = self._ensure_buffers(sources)
-        staged = StagedStep(info, items, mappings, objects)
+        staged = StagedStep(info, items, mappings, objects, self.plan_key)
         self._staged.clear()
         self._copy_error = None
         on_device = any(src.is_cuda for src in sources.values())
@@ -134,6 +144,12 @@ class AsyncCheckpointer:
             said = "still the latest" in str(e) or "is published" in str(e)
             tail = "" if said else f"; step {step} was not written ({where})"
             raise AsyncSaveError(f"the asynchronous save of step {step} failed: {e}{tail}") from e
+
+    def global_plans(self) -> int:
+        """DCP global plannings run by this rank's writer (its process, for the process mode)."""
+        if self._child is not None:
+            return self._child.plans
+        return planning.global_plans(self.plan_key)
 
     def close(self) -> None:
         try:
@@ -255,11 +271,17 @@ class AsyncCheckpointer:
         if self._child is not None:
             if new_buffers:  # shared once; every later save reuses them
                 self._child.send_buffers(self.buffers)
-            self._child.write(staged)
+            doomed = self._child.write(staged)
         else:
-            write_and_publish(
-                staged.info, {}, planner=StagedPlanner(staged, self.buffers), group=self.group
-            )
+            doomed = write_and_publish(
+                staged.info,
+                {},
+                planner=StagedPlanner(staged, self.buffers),
+                group=self.group,
+                delete_now=False,
+            ).doomed
+        if doomed:
+            self.retire(staged.info.store, doomed)
 
 
 SHM_DIR = "/dev/shm"

@@ -18,6 +18,7 @@ import torch.distributed as torch_dist
 from torch.distributed.checkpoint.planner import WriteItem
 
 from dcpkit import dist
+from dcpkit.engine.planning import global_plans
 from dcpkit.engine.publish import write_and_publish
 from dcpkit.engine.staged import StagedPlanner, StagedStep
 
@@ -49,6 +50,8 @@ class WriterProcess:
         child_conn.close()
         self._ready = False
         self._sent_plan: tuple[list[WriteItem], dict[str, Any]] | None = None
+        self.plans = 0
+        """DCP global plannings the writer ran, as of its last save."""
 
     def _died(self) -> RuntimeError:
         self.process.join(timeout=5)
@@ -87,7 +90,9 @@ class WriterProcess:
         self.conn.send(("buffers", buffers))
         self._expect("ok")
 
-    def write(self, staged: StagedStep) -> None:
+    def write(self, staged: StagedStep) -> list[int]:
+        """Write and publish ``staged``; returns the steps retention chose to delete (left to the
+        caller, so that the next save need not wait for the deletion)."""
         # The plan (write items, key mappings) is the same save after save: send it only when it
         # changed, so that pickling it does not hold the GIL while training resumes.
         same = (
@@ -104,7 +109,8 @@ class WriterProcess:
             self.conn.send(("save", staged, same))
         except (BrokenPipeError, OSError):
             raise self._died() from None
-        self._expect("saved")
+        _, doomed, self.plans = self._expect("saved")
+        return list(doomed)
 
     def stop(self) -> None:
         try:
@@ -162,14 +168,16 @@ def _writer_main(conn: Any, addr: str, port: int, rank: int, world: int, parent:
                     staged = dataclasses.replace(staged, items=plan[0], mappings=plan[1])
                 plan = (staged.items, staged.mappings)
                 start = time.perf_counter()
-                write_and_publish(
+                published = write_and_publish(
                     staged.info,
                     {},
                     planner=StagedPlanner(staged, buffers),
                     group=group,
                     kill_pid=parent,
+                    delete_now=False,
                 )
-                conn.send(("saved", time.perf_counter() - start))
+                plans = global_plans(staged.plan_key)
+                conn.send(("saved", time.perf_counter() - start, published.doomed, plans))
         except BaseException as e:  # reported to the training process, never swallowed
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     if torch_dist.is_initialized():
