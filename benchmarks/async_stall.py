@@ -10,7 +10,11 @@ One run measures, for a Llama-shaped model + AdamW state of about ``--gb`` GiB:
   host buffers, non-blocking, then synchronized);
 - total time to durable completion, peak RSS and RSS after every save;
 - synchronous save and load throughput against a raw write+fsync and read of the same bytes,
-  and the share of the save spent on checksums.
+  and the share of the save spent on checksums;
+- backpressure: saves requested faster than the disk writes them (a fixed amount of real compute
+  between saves, half a synchronous save's time unless ``--pressure-compute`` says otherwise):
+  blocked time per save for every asynchronous mode beside what the disk forces (the durable
+  time of one save minus the compute since the last one).
 
 Each mode runs in its own process so that its peak RSS is its own.
 """
@@ -25,12 +29,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 MODES = ["disabled", "async", "async_with_pinned_mem", "torch_async_save"]
+ASYNC_MODES = MODES[1:]
 
 
 def _rss(field: str = "VmRSS") -> int:
@@ -165,6 +171,88 @@ def worker(mode: str, gib: float, saves: int, device: str, work: Path) -> dict:
     }
 
 
+def _compute_kernel() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(384, 384), torch.randn(384, 384)
+
+
+def _compute(iters: int, ab: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A training step's stand-in: real CPU work (matmuls), not a sleep."""
+    a, b = ab
+    for _ in range(iters):
+        a = torch.tanh(a @ b)
+
+
+def pressure_worker(mode: str, gib: float, saves: int, compute_s: float, work: Path) -> dict:
+    """Saves spaced ``compute_s`` of compute apart (measured without saves, same process)."""
+    import torch.distributed as td
+
+    from dcpkit import CheckpointConfig, CheckpointManager
+
+    td.init_process_group("gloo", store=td.HashStore(), rank=0, world_size=1)
+    model, opt = build_state(gib, "cpu")
+    ab = _compute_kernel()
+    _compute(20, ab)
+    t0 = time.perf_counter()
+    _compute(200, ab)
+    iters = max(1, round(compute_s * 200 / (time.perf_counter() - t0)))
+    t0 = time.perf_counter()
+    _compute(iters, ab)
+    alone_s = time.perf_counter() - t0
+    folder = work / f"pressure-{mode}"
+    blocked, computed = [], []
+    start = time.perf_counter()
+    if mode == "torch_async_save":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        pending, purges = None, []
+        for i in range(1, saves + 1):
+            t0 = time.perf_counter()
+            _compute(iters, ab)
+            computed.append(time.perf_counter() - t0)
+            msd, osd = get_state_dict(model, opt)
+            t0 = time.perf_counter()
+            if pending is not None:
+                pending.result()  # one save in flight at a time, as TorchTitan does
+            pending = dcp.async_save(
+                {"model": msd, "optim": osd}, checkpoint_id=str(folder / f"step-{i}")
+            )
+            blocked.append(time.perf_counter() - t0)
+            # Old steps are deleted off the training thread, as TorchTitan's purge thread does.
+            old = folder / f"step-{i - 2}"
+            purges.append(threading.Thread(target=shutil.rmtree, args=(old, True)))
+            purges[-1].start()
+        pending.result()
+        for t in purges:
+            t.join()
+    else:
+        cfg = CheckpointConfig(
+            enable=True, interval=1, keep_latest_k=2, async_mode=mode, verify_on_load=False
+        )
+        mgr = CheckpointManager(cfg, folder, model, optimizer=opt)
+        for i in range(1, saves + 1):
+            t0 = time.perf_counter()
+            _compute(iters, ab)
+            computed.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            mgr.save(i)
+            mgr.maybe_wait_for_staging()
+            blocked.append(time.perf_counter() - t0)
+        mgr.wait()
+        mgr.close()
+    total = time.perf_counter() - start
+    td.destroy_process_group()
+    shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "mode": mode,
+        "compute_alone_s": alone_s,
+        "compute_s": computed,
+        "blocked_s": blocked,
+        "total_s": total,
+    }
+
+
 def _raw_io(tensors: list[torch.Tensor], path: Path) -> dict:
     t0 = time.perf_counter()
     with open(path, "wb") as f:
@@ -183,6 +271,34 @@ def _raw_io(tensors: list[torch.Tensor], path: Path) -> dict:
     return {"raw_write_fsync_s": write_s, "raw_read_s": read_s, "raw_bytes": size}
 
 
+def _spawn(worker: str, opts: argparse.Namespace, work: Path, extra: list[str] = ()) -> dict:
+    """One measurement in a process of its own (its peak RSS is its own)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--_worker",
+            worker,
+            "--gb",
+            str(opts.gb),
+            "--saves",
+            str(opts.saves),
+            "--device",
+            opts.device,
+            "--workdir",
+            str(work),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        print(f"{worker}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return {"mode": worker, "error": proc.stderr[-3000:]}
+    return json.loads(line[len("RESULT ") :])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.5, help="state size in GiB (default 1.5)")
@@ -190,53 +306,72 @@ def main() -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder)")
+    parser.add_argument(
+        "--pressure-compute",
+        type=float,
+        help="seconds of compute between saves in the backpressure scenario (default: half the "
+        "durable time of a synchronous save measured in this run; 0 skips the scenario)",
+    )
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.saves < 3:
         parser.error("--saves must be >= 3 (medians are taken from the third save on)")
     if opts.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
+    if opts._worker and opts._worker.startswith("pressure:"):
+        mode = opts._worker.split(":", 1)[1]
+        res = pressure_worker(mode, opts.gb, opts.saves, opts.pressure_compute, opts.workdir)
+        print("RESULT " + json.dumps(res))
+        return 0
     if opts._worker:
         res = worker(opts._worker, opts.gb, opts.saves, opts.device, opts.workdir)
         print("RESULT " + json.dumps(res))
         return 0
     work = Path(tempfile.mkdtemp(prefix="dcpkit-stall-", dir=opts.workdir))
-    results = {}
+    results: dict[str, dict] = {}
+    pressure: dict[str, dict] = {}
+
+    def dump(partial: bool) -> None:
+        if opts.json:  # what is measured so far survives a run cut short
+            opts.json.write_text(
+                json.dumps(
+                    {
+                        "device": opts.device,
+                        "partial": partial,
+                        "results": results,
+                        "pressure": pressure,
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
+
     try:
         for mode in MODES:
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--_worker",
-                    mode,
-                    "--gb",
-                    str(opts.gb),
-                    "--saves",
-                    str(opts.saves),
-                    "--device",
-                    opts.device,
-                    "--workdir",
-                    str(work),
-                ],
-                capture_output=True,
-                text=True,
-            )
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if proc.returncode != 0 or line is None:
-                print(f"{mode}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
-                results[mode] = {"mode": mode, "error": proc.stderr[-3000:]}
-                continue
-            results[mode] = r = json.loads(line[len("RESULT ") :])
-            print(
-                f"  measured {mode}: blocked {statistics.median(r['blocked_s'][2:]):.3f}s, "
-                f"copy floor {r['copy_floor_s']:.3f}s",
-                flush=True,
-            )
-            if opts.json:  # what is measured so far survives a run cut short
-                opts.json.write_text(
-                    json.dumps({"device": opts.device, "partial": True, "results": results})
+            results[mode] = r = _spawn(mode, opts, work)
+            if "error" not in r:
+                print(
+                    f"  measured {mode}: blocked {statistics.median(r['blocked_s'][2:]):.3f}s, "
+                    f"copy floor {r['copy_floor_s']:.3f}s",
+                    flush=True,
                 )
+            dump(True)
+        sync = results.get("disabled", {})
+        compute = opts.pressure_compute
+        if compute is None and "total_s" in sync and opts.device == "cpu":
+            compute = 0.5 * statistics.median(sync["total_s"][2:])
+        if compute:
+            for mode in ASYNC_MODES:
+                pressure[mode] = r = _spawn(
+                    f"pressure:{mode}", opts, work, ["--pressure-compute", f"{compute:.3f}"]
+                )
+                if "error" not in r:
+                    print(
+                        f"  measured {mode} under backpressure: blocked "
+                        f"{statistics.median(r['blocked_s'][2:]):.3f}s",
+                        flush=True,
+                    )
+                dump(True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ok = {m: r for m, r in results.items() if "error" not in r}
@@ -286,13 +421,49 @@ def main() -> int:
             f"{r['raw_bytes'] / (1 << 30) / r['raw_read_s']:.2f} GiB/s"
         )
         print(f"checksums: {100 * r['checksum_share_of_save']:.1f}% of the sync save time")
+    _report_pressure(pressure, ok)
     if opts.json:
         opts.json.write_text(
-            json.dumps({"device": opts.device, "floor_s": floor, "results": results}, indent=2)
+            json.dumps(
+                {"device": opts.device, "floor_s": floor, "results": results, "pressure": pressure},
+                indent=2,
+            )
             + "\n"
         )
         print(f"\nwrote {opts.json}")
     return 0
+
+
+def _report_pressure(pressure: dict[str, dict], idle: dict[str, dict]) -> None:
+    """Blocked time per save when saves come faster than the disk writes them, beside what the
+    disk forces: the mode's own durable time of an idle save minus the compute between saves."""
+    if not pressure:
+        return
+    print("\nbackpressure: saves spaced by less compute than a write takes (medians from save 3)")
+    print(
+        f"{'mode':<24} {'compute s':>10} {'alone s':>8} {'blocked s':>10} {'forced s':>9} "
+        f"{'x torch':>8}"
+    )
+    torch_b = None
+    if "blocked_s" in pressure.get("torch_async_save", {}):
+        torch_b = statistics.median(pressure["torch_async_save"]["blocked_s"][2:])
+    for mode, r in pressure.items():
+        if "error" in r:
+            print(f"{mode:<24} failed")
+            continue
+        b = statistics.median(r["blocked_s"][2:])
+        c = statistics.median(r["compute_s"][2:])
+        durable = idle.get(mode, {}).get("total_s")
+        forced = max(0.0, statistics.median(durable[2:]) - c) if durable else None
+        r.update(
+            blocked_median_s=b,
+            compute_median_s=c,
+            forced_s=forced,
+            x_torch=(b / torch_b) if torch_b else None,
+        )
+        fs = f"{forced:>9.3f}" if forced is not None else "        -"
+        xt = f"{b / torch_b:>8.2f}" if torch_b else "       -"
+        print(f"{mode:<24} {c:>10.3f} {r['compute_alone_s']:>8.3f} {b:>10.3f} {fs} {xt}")
 
 
 if __name__ == "__main__":

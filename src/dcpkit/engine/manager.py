@@ -236,6 +236,10 @@ class CheckpointManager:
     def last_checksum_s(self) -> float:  # seconds the last synchronous save spent checksumming
         return self._saver.last_checksum_s if self._saver else 0.0
 
+    @property
+    def global_plans(self) -> int:  # DCP global plannings this rank ran (cached saves run none)
+        return self._saver.global_plans() if self._saver else 0
+
     def save_seed_checkpoint(self) -> Path:
         """Save the model alone as step 0 (``create_seed_checkpoint``), in its own dtype."""
         state = collect(self.model, {}, rng=False, model_only=True)

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from dcpkit import dist
+from dcpkit.engine import planning
 from dcpkit.engine.async_save import AsyncCheckpointer
 from dcpkit.engine.policy import steps_to_delete
 from dcpkit.engine.publish import Published, StepInfo, delete_steps, write_and_publish
@@ -100,10 +101,11 @@ class Saver:
     Hugging Face folder; deletes old steps in the background."""
 
     def __init__(self, async_mode: str) -> None:
+        self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpkit-retention")
+        self.plan_key = planning.new_key()  # one plan cache for this saver's durable saves
         self.async_ckpt: AsyncCheckpointer | None = None
         if async_mode != "disabled":
-            self.async_ckpt = AsyncCheckpointer(async_mode)
-        self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpkit-retention")
+            self.async_ckpt = AsyncCheckpointer(async_mode, self._retire, self.plan_key)
         self.last_checksum_s = 0.0
 
     def save_async(self, state: dict[str, Any], info: StepInfo) -> None:
@@ -116,10 +118,15 @@ class Saver:
         if hf is not None:
             published = write_hf_step(info, state, hf)
         else:
-            published = write_and_publish(info, state, delete_now=False)
+            planner = planning.CachingPlanner(self.plan_key)
+            published = write_and_publish(info, state, planner=planner, delete_now=False)
         self.last_checksum_s = published.checksum_s
         if published.doomed:
-            self._deleter.submit(_delete_logging_failures, info.store, published.doomed)
+            self._retire(info.store, published.doomed)
+
+    def _retire(self, store: Any, steps: list[int]) -> None:
+        """Delete ``steps`` in the background (after any deletion already queued)."""
+        self._deleter.submit(_delete_logging_failures, store, steps)
 
     def wait_for_staging(self) -> None:
         if self.async_ckpt is not None:
@@ -129,6 +136,12 @@ class Saver:
         """Block until the last save is durable (raising its error)."""
         if self.async_ckpt is not None:
             self.async_ckpt.wait()
+
+    def global_plans(self) -> int:
+        """DCP global plannings this rank ran as coordinator (in its writer process, if any)."""
+        if self.async_ckpt is not None and self.async_ckpt.use_process:
+            return self.async_ckpt.global_plans()
+        return planning.global_plans(self.plan_key)
 
     def wait_for_deletions(self) -> None:
         self._deleter.submit(lambda: None).result()
@@ -140,6 +153,7 @@ class Saver:
                 async_ckpt.close()
         finally:
             self._deleter.shutdown(wait=True)
+            planning.forget(self.plan_key)
 
 
 def _delete_logging_failures(store: Any, steps: list[int]) -> None:

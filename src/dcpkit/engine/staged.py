@@ -8,9 +8,9 @@ import io
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from dcpkit.engine.planning import CachingPlanner
 from dcpkit.engine.publish import StepInfo
 
 
@@ -22,14 +22,16 @@ class StagedStep:
     items: list[WriteItem]
     mappings: dict[str, Any]
     objects: dict[str, Any]
+    plan_key: str = ""
+    """The plan cache of the saver (``engine.planning``)."""
 
 
-class StagedPlanner(DefaultSavePlanner):
+class StagedPlanner(CachingPlanner):
     """A save planner over staged buffers: the write items were computed from the live state
     (DTensor shards keep their global offsets), the data comes from the buffers."""
 
     def __init__(self, staged: StagedStep, buffers: dict[str, torch.Tensor]) -> None:
-        super().__init__()
+        super().__init__(staged.plan_key)
         self.staged = staged
         self.buffers = buffers
 
@@ -39,8 +41,7 @@ class StagedPlanner(DefaultSavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan(list(self.staged.items), planner_data=self.mappings)
-        return self.plan
+        return self.cached_local_plan(SavePlan(list(self.staged.items), planner_data=self.mappings))
 
     def resolve_data(self, write_item: WriteItem):  # type: ignore[no-untyped-def]
         fqn = write_item.index.fqn
