@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from conftest import run_script
 
+from conftest import run_script
 from dcpkit.engine import planning
 
 

@@ -40,9 +40,7 @@ def main() -> None:
     folder, mode = sys.argv[1], sys.argv[2]
     torch_dist.init_process_group("gloo")
     model, opt = build()
-    cfg = CheckpointConfig(
-        enable=True, folder=folder, interval=1, keep_latest_k=2, async_mode=mode
-    )
+    cfg = CheckpointConfig(enable=True, folder=folder, interval=1, keep_latest_k=2, async_mode=mode)
     counts = []
     with CheckpointManager(cfg, ".", model, optimizer=opt) as mgr:
         for step in (1, 2, 3):
