@@ -2,15 +2,24 @@
 PyTorch's ``dcp_to_torch_save`` and a raw read+write of the same bytes, measured in one run.
 
     python benchmarks/convert.py [--gb 2] [--json results.json] [--workdir DIR]
+    python benchmarks/convert.py --flavor 8B [--dtype bfloat16] ...   # a real model's shapes
+
+``--flavor`` writes a Llama 3 flavor's exact shapes (8B: 16 GB in bfloat16), tensor by tensor
+from random values, never the whole model in memory. PyTorch's ``dcp_to_torch_save`` holds the
+whole checkpoint in memory: it is skipped, and said so, when the checkpoint exceeds 40% of the
+machine's memory.
 
 Each operation runs in its own process; its peak RSS (``ru_maxrss``) is reported above the
-baseline of a process that imports the same modules and converts nothing.
+baseline of a process that imports the same modules and converts nothing. Every operation starts
+with the page cache of the checkpoint dropped (what a job that converts a checkpoint it did not
+just write sees), the raw read+write included, so that none reads what another left cached.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +32,7 @@ import torch
 
 from dcpkit.convert.adapters import get_adapter
 from dcpkit.formats.dcp import meta_tensor, write_dcp
-from dcpkit.models.llama3 import Llama3Args
+from dcpkit.models.llama3 import LLAMA3_FLAVORS, Llama3Args
 
 IMPORTS = (
     "import torch, dcpkit.convert.hf, dcpkit.convert.torch_save, "
@@ -74,10 +83,10 @@ def _numel(shape) -> int:
     return n
 
 
-def make_checkpoint(path: Path, args: Llama3Args) -> int:
-    """A model-only DCP checkpoint of random fp32 tensors, written tensor by tensor."""
+def make_checkpoint(path: Path, args: Llama3Args, dtype: torch.dtype = torch.float32) -> int:
+    """A model-only DCP checkpoint of random tensors, written tensor by tensor."""
     shapes = get_adapter("llama3").expected_shapes(args)
-    state = {k: meta_tensor(s, torch.float32) for k, s in shapes.items()}
+    state = {k: meta_tensor(s, dtype) for k, s in shapes.items()}
     gen = torch.Generator()
 
     def produce(fqn, rows):
@@ -85,7 +94,7 @@ def make_checkpoint(path: Path, args: Llama3Args) -> int:
         shape = list(shapes[fqn])
         if rows is not None:
             shape[0] = rows[1] - rows[0]
-        return torch.randn(shape, generator=gen)
+        return torch.randn(shape, generator=gen).to(dtype)
 
     write_dcp(path, state, produce)
     return sum(p.stat().st_size for p in path.iterdir())
@@ -120,27 +129,51 @@ def run_op(code: str, ckpt: Path, out: Path, args: object) -> tuple[float, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=2.0, help="checkpoint size in GiB (default 2)")
+    parser.add_argument("--flavor", help="a Llama 3 flavor's shapes (e.g. 8B) instead of --gb")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], help="default: float32, bfloat16 with --flavor"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder)")
     opts = parser.parse_args()
+    from recovery import _evict
+
     work = Path(tempfile.mkdtemp(prefix="dcpkit-bench-", dir=opts.workdir))
     try:
-        args = bench_args(opts.gb)
+        if opts.flavor:
+            if opts.flavor not in LLAMA3_FLAVORS:
+                parser.error(f"--flavor: one of {', '.join(LLAMA3_FLAVORS)}")
+            args = LLAMA3_FLAVORS[opts.flavor]
+        else:
+            args = bench_args(opts.gb)
+        dtype_name = opts.dtype or ("bfloat16" if opts.flavor else "float32")
         ckpt = work / "ckpt"
         t0 = time.perf_counter()
-        size = make_checkpoint(ckpt, args)
+        size = make_checkpoint(ckpt, args, getattr(torch, dtype_name))
         print(
-            f"checkpoint: Llama 3 shape, {args.n_layers} layers, dim {args.dim}, vocab "
-            f"{args.vocab_size}: {size / (1 << 30):.2f} GiB fp32 "
-            f"(written in {time.perf_counter() - t0:.1f}s)"
+            f"checkpoint: Llama 3 {opts.flavor or 'shape'}, {args.n_layers} layers, dim "
+            f"{args.dim}, vocab {args.vocab_size}: {size / (1 << 30):.2f} GiB {dtype_name} "
+            f"(written in {time.perf_counter() - t0:.1f}s)",
+            flush=True,
         )
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        skipped = {}
+        if size > 0.4 * ram:
+            skipped["torch dcp_to_torch_save"] = (
+                f"holds the whole {size / 2**30:.1f} GiB checkpoint in memory; this machine has "
+                f"{ram / 2**30:.0f} GiB"
+            )
         rows = {}
         for name, code in OPS.items():
+            if name in skipped:
+                print(f"  skipped {name}: {skipped[name]}", flush=True)
+                continue
             out = work / "out"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
             if name == "dcpkit from-hf":  # needs the to-hf output
                 run_op(OPS["dcpkit to-hf"], ckpt, out, args)
+            _evict(work)  # recovery.py's: fsync and drop each file's pages
             wall, rss = run_op(code, ckpt, out, args)
             rows[name] = {"wall_s": wall, "peak_rss_bytes": rss}
             print(f"  measured {name}", flush=True)
@@ -165,7 +198,15 @@ def main() -> int:
         if opts.json:
             opts.json.write_text(
                 json.dumps(
-                    {"checkpoint_bytes": size, "layers": args.n_layers, "results": rows}, indent=2
+                    {
+                        "checkpoint_bytes": size,
+                        "flavor": opts.flavor,
+                        "dtype": dtype_name,
+                        "layers": args.n_layers,
+                        "results": rows,
+                        "skipped": skipped,
+                    },
+                    indent=2,
                 )
                 + "\n"
             )

@@ -1,11 +1,17 @@
 """Save planning paid once: a second save of the same shapes runs no global planning."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import run_script
 from dcpkit.engine import planning
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.dist
@@ -20,3 +26,55 @@ def test_a_second_save_of_the_same_shapes_plans_nothing(tmp_path, mode):
     assert [r["counts"] for r in ranks] == [[1, 1, 1], [0, 0, 0]]
     # The saves that reused the cached plan and metadata load back bitwise.
     assert all(r["bitwise"] for r in ranks)
+
+
+def _metadata(chunks, size=(8, 8)):
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    md = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size(size),
+        [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
+    )
+    return Metadata({"w": md})
+
+
+def test_plan_validation_finds_what_dcps_finds():
+    from torch.distributed.checkpoint.default_planner import _validate_global_plan
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    grid = [((r, c), (2, 4)) for r in range(0, 8, 2) for c in (0, 4)]  # 4 x 2 blocks
+    cases = {
+        "tiled": (grid, 0),
+        "overlapping": ([*grid[:-1], ((5, 3), (2, 4))], 2),  # overlaps two blocks, 1 missing
+        "out of bounds": ([*grid[:-1], ((6, 6), (2, 4))], 1),
+        "not covered": (grid[:-1], 1),
+    }
+    for name, (chunks, n_errors) in cases.items():
+        md = _metadata(chunks)
+        ours = planning.validate_global_plan(md, 2)
+        theirs = _validate_global_plan([SavePlan([]), SavePlan([])], md)
+        assert bool(ours) == bool(theirs), name
+        assert len(ours) >= n_errors, (name, ours)
+
+
+def test_planning_scale_benchmark_small(tmp_path):
+    out = tmp_path / "planning.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "planning_scale.py"), "--models", "8B,70B"]
+    cmd += ["--max-world", "32", "--max-items", "2e5", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    measured = [r for r in rows if r["measured"]]
+    assert {(r["model"], r["world"]) for r in measured} >= {("8B", 8), ("8B", 16), ("70B", 8)}
+    for r in measured:
+        assert r["global_plans"] == (1 if planning.CACHING else 2)
+        assert r["metadata_bytes"] > 0 and r["items_after_dedup"] < r["items"]
+    # A cell over the item budget is extrapolated, and says so.
+    assert any(not r["measured"] for r in rows if r["model"] == "70B")
+    assert (tmp_path / "planning.png").stat().st_size > 0

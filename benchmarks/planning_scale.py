@@ -1,0 +1,426 @@
+"""Save planning at thousands of ranks, simulated in one process.
+
+    python benchmarks/planning_scale.py [--models 8B,70B,405B] [--max-world 8192]
+        [--max-items 6e6] [--json PATH] [--png PATH]
+
+For Llama 3 8B, 70B and 405B (TorchTitan's flavors), model + AdamW, laid out as the trainer lays
+them out (FSDP x TP: TP 8 within a node, FSDP across; TorchTitan's TP plan: column-wise
+``wq wk wv w1 w3 output tok_embeddings``, row-wise ``wo w2``, norms replicated over TP; the
+optimizer state in TorchTitan's flattened layout: ``exp_avg`` and ``exp_avg_sq`` sharded like the
+parameter, a ``step`` tensor and the ``param_groups`` entries per parameter, replicated), this
+builds every rank's DCP save plan (write items with their global offsets, as the ranks would send
+them) for world sizes 8, 16, ... ``--max-world`` and runs, on them, what the coordinator of a DCP
+save runs: DCP's ``DefaultSavePlanner.create_global_plan`` (deduplication, the global plan, the
+metadata, its validation), then the ``.metadata`` as DCP writes it (pickled, with every chunk's
+storage entry). It measures the coordinator's planning time, the ``.metadata`` size, the bytes of
+the plans it gathers, and the cell's peak memory above its start; then a second save of the same
+shapes through dcpkit's ``CachingPlanner``: every rank sends an empty plan, the coordinator reuses
+the cached plan and metadata, and the global plannings are counted (1, not 2).
+
+Each cell runs in a process of its own (its peak memory is its own). A cell whose plans hold more
+than ``--max-items`` write items in all is not run on this machine: its figures are extrapolated
+linearly from the measured cells of the same model, and marked so. Replicated write items (the
+same on every rank) are one object shared by the ranks' plans, so the memory figure counts the
+sharded items only; a real coordinator unpickles a copy per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FLAVORS = {  # dim, layers, heads, kv heads, FFN hidden (TorchTitan's Llama 3 flavors)
+    "8B": (4096, 32, 32, 8, 14336),
+    "70B": (8192, 80, 64, 8, 28672),
+    "405B": (16384, 126, 128, 8, 53248),
+}
+VOCAB = 128256
+TP = 8
+ADAMW_GROUP = (  # torch.optim.AdamW's param_groups entries, one DCP entry per parameter each
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "foreach",
+    "maximize",
+    "capturable",
+    "differentiable",
+    "fused",
+    "decoupled_weight_decay",
+)
+
+
+def parameters(flavor: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, global shape, TP style: 'col' = Shard(0), 'row' = Shard(1), 'rep' = Replicate)."""
+    dim, layers, heads, kv, ffn = FLAVORS[flavor]
+    hd = dim // heads
+    out = [("tok_embeddings.weight", (VOCAB, dim), "col")]
+    for i in range(layers):
+        p = f"layers.{i}."
+        out += [
+            (p + "attention.wq.weight", (heads * hd, dim), "col"),
+            (p + "attention.wk.weight", (kv * hd, dim), "col"),
+            (p + "attention.wv.weight", (kv * hd, dim), "col"),
+            (p + "attention.wo.weight", (dim, heads * hd), "row"),
+            (p + "feed_forward.w1.weight", (ffn, dim), "col"),
+            (p + "feed_forward.w2.weight", (dim, ffn), "row"),
+            (p + "feed_forward.w3.weight", (ffn, dim), "col"),
+            (p + "attention_norm.weight", (dim,), "rep"),
+            (p + "ffn_norm.weight", (dim,), "rep"),
+        ]
+    return [*out, ("norm.weight", (dim,), "rep"), ("output.weight", (VOCAB, dim), "col")]
+
+
+def _chunk(n: int, k: int, i: int) -> tuple[int, int]:
+    """torch.chunk's piece i of n into k: (start, size)."""
+    c = -(-n // k)
+    start = min(i * c, n)
+    return start, max(0, min(c, n - start))
+
+
+def local_chunk(shape: tuple[int, ...], style: str, dp: int, tp: int, d: int, t: int):  # type: ignore[no-untyped-def]
+    """Offsets and sizes of rank (d, t)'s shard; FSDP shards dim 0 within the TP shard."""
+    offsets, sizes = [0] * len(shape), list(shape)
+    if style == "row":
+        offsets[1], sizes[1] = _chunk(shape[1], tp, t)
+        offsets[0], sizes[0] = _chunk(shape[0], dp, d)
+    elif style == "col":
+        t0, tn = _chunk(shape[0], tp, t)
+        d0, sizes[0] = _chunk(tn, dp, d)
+        offsets[0] = t0 + d0
+    else:
+        offsets[0], sizes[0] = _chunk(shape[0], dp, d)
+    return offsets, sizes
+
+
+def build_plans(flavor: str, world: int) -> list:  # type: ignore[type-arg]
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    tp = min(TP, world)
+    dp = world // tp
+    props = TensorProperties(dtype=torch.float32)
+    params = parameters(flavor)
+    # State keys: the parameter, then its two AdamW moments (sharded like it).
+    sharded = []
+    for name, shape, style in params:
+        for key in (name, f"optimizer.state.{name}.exp_avg", f"optimizer.state.{name}.exp_avg_sq"):
+            sharded.append((key, torch.Size(shape), style))
+    replicated = []  # identical on every rank: one object shared by all plans
+    scalar = torch.Size([])
+    for name, _, _ in params:
+        key = f"optimizer.state.{name}.step"
+        replicated.append(
+            WriteItem(
+                index=MetadataIndex(key, scalar),
+                type=WriteItemType.TENSOR,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=scalar, sizes=scalar),
+                    properties=props,
+                    size=scalar,
+                ),
+            )
+        )
+        for opt in ADAMW_GROUP:
+            replicated.append(
+                WriteItem(
+                    index=MetadataIndex(f"optimizer.param_groups.{name}.{opt}"),
+                    type=WriteItemType.BYTE_IO,
+                )
+            )
+    for key in ("lr_scheduler", "train_state"):
+        replicated.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+    mappings = {key: tuple(key.split(".", 2)) for key, _, _ in sharded}
+    mappings.update({item.index.fqn: (item.index.fqn,) for item in replicated})
+    shared: dict = {}  # (key, offsets) -> item, for the chunks replicated over TP
+    plans = []
+    for rank in range(world):
+        d, t = divmod(rank, tp)
+        items = list(replicated)
+        for key, size, style in sharded:
+            offsets, sizes = local_chunk(tuple(size), style, dp, tp, d, t)
+            if not all(sizes):
+                continue
+            if style == "rep" and (key, d) in shared:
+                items.append(shared[(key, d)])
+                continue
+            off = torch.Size(offsets)
+            item = WriteItem(
+                index=MetadataIndex(key, off),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=off, sizes=torch.Size(sizes)),
+                    properties=props,
+                    size=size,
+                ),
+            )
+            if style == "rep":
+                shared[(key, d)] = item
+            items.append(item)
+        dl = f"dataloader.dp_rank_{d}"
+        items.append(WriteItem(index=MetadataIndex(dl), type=WriteItemType.BYTE_IO))
+        plans.append(SavePlan(items, planner_data={**mappings, dl: (dl,)}))
+    return plans
+
+
+def items_per_rank(flavor: str) -> int:
+    n = len(parameters(flavor))
+    return n * (3 + 1 + len(ADAMW_GROUP)) + 3
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def cell(flavor: str, world: int, stock: bool) -> dict:
+    """One (model, world size): the coordinator's planning, cold and cached."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+    from dcpkit.engine import planning
+
+    base = _rss("VmRSS")
+    t0 = time.perf_counter()
+    plans = build_plans(flavor, world)
+    build_s = time.perf_counter() - t0
+    n_items = sum(len(p.items) for p in plans)
+    t0 = time.perf_counter()
+    gathered = sum(len(pickle.dumps(p)) for p in plans)  # what the coordinator receives
+    pickle_s = time.perf_counter() - t0
+    key = planning.new_key()
+    t0 = time.perf_counter()
+    final, metadata = planning.CachingPlanner(key).create_global_plan(plans)
+    plan_s = time.perf_counter() - t0
+    # What the writers report and DCP's finish() pickles into .metadata: a storage entry each.
+    t0 = time.perf_counter()
+    storage = {}
+    for rank, plan in enumerate(final):
+        path, offset = f"__{rank}_0.distcp", 0
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                length = 64
+            else:
+                length = math.prod(item.tensor_data.chunk.sizes) * 4
+            storage[item.index] = _StorageInfo(path, offset, length)
+            offset += length
+    metadata.storage_data = storage
+    metadata_bytes = len(pickle.dumps(metadata))
+    metadata_s = time.perf_counter() - t0
+    peak = _rss("VmHWM") - base
+    kept = sum(len(p.items) for p in final)
+    # The second save of the same shapes: every rank's local plan is unchanged and sent empty.
+    empty = [SavePlan([], usable=False)] * world
+    t0 = time.perf_counter()
+    planning.CachingPlanner(key).create_global_plan(empty)
+    cached_s = time.perf_counter() - t0
+    cached_gathered = sum(len(pickle.dumps(p)) for p in empty)
+    stock_s = None
+    if stock:  # the baseline: DCP's own planner on the same plans, no cache
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        t0 = time.perf_counter()
+        DefaultSavePlanner().create_global_plan(plans)
+        stock_s = time.perf_counter() - t0
+    del torch
+    return {
+        "model": flavor,
+        "world": world,
+        "items": n_items,
+        "items_after_dedup": kept,
+        "build_plans_s": build_s,
+        "gathered_bytes": gathered,
+        "pickle_plans_s": pickle_s,
+        "global_plan_s": plan_s,
+        "dcp_global_plan_s": stock_s,
+        "metadata_s": metadata_s,
+        "metadata_bytes": metadata_bytes,
+        "peak_bytes": peak,
+        "cached_global_plan_s": cached_s,
+        "cached_gathered_bytes": cached_gathered,
+        "global_plans": planning.global_plans(key),
+        "caching": planning.CACHING,
+    }
+
+
+METRICS = ("global_plan_s", "metadata_bytes", "peak_bytes", "gathered_bytes")
+
+
+def _s(v: float | None) -> str:
+    return f"{v:.2f} s" if v is not None else "not run"
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares y = a + b x."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points) or 1.0
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - b * mx, b
+
+
+def _slope(points: list[tuple[int, float]]) -> float:
+    """Growth exponent: the slope of log y against log x, fitted over the measured world sizes
+    from 32 on (the smallest ones are dominated by fixed costs); 1.0 = linear."""
+    pts = [(math.log(x), math.log(y)) for x, y in points if x >= 32 and y > 0]
+    if len(pts) < 2:
+        pts = [(math.log(x), math.log(y)) for x, y in points if y > 0]
+    return _fit(pts)[1] if len(pts) >= 2 else float("nan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="8B,70B,405B")
+    parser.add_argument("--max-world", type=int, default=8192)
+    parser.add_argument(
+        "--max-items",
+        type=float,
+        default=6e6,
+        help="largest cell run on this machine, in write items (default 6e6: ~4 GiB)",
+    )
+    parser.add_argument(
+        "--dcp-max-items",
+        type=float,
+        default=1.2e6,
+        help="largest cell on which DCP's own planner (the baseline, quadratic) is timed too",
+    )
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--png", type=Path, help="plot (default: next to --json)")
+    parser.add_argument("--_cell", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts._cell:
+        flavor, world, stock = opts._cell.split(":")
+        print("RESULT " + json.dumps(cell(flavor, int(world), stock == "1")), flush=True)
+        return 0
+    models = [m.strip() for m in opts.models.split(",") if m.strip()]
+    for m in models:
+        if m not in FLAVORS:
+            parser.error(f"unknown model {m!r}; known: {', '.join(FLAVORS)}")
+    worlds = [w for w in (2**k for k in range(3, 14)) if w <= opts.max_world]
+    rows: list[dict] = []
+    for m in models:
+        for w in worlds:
+            if items_per_rank(m) * w > opts.max_items:
+                continue
+            stock = items_per_rank(m) * w <= opts.dcp_max_items
+            proc = subprocess.run(
+                [sys.executable, __file__, "--_cell", f"{m}:{w}:{int(stock)}"],
+                capture_output=True,
+                text=True,
+            )
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                print(f"{m} at {w} ranks failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            r = json.loads(line[len("RESULT ") :])
+            r["measured"] = True
+            rows.append(r)
+            print(
+                f"  {m:>4} {w:>5} ranks: {r['items'] / 1e6:6.2f} M items, global plan "
+                f"{r['global_plan_s']:7.2f} s (DCP's planner: {_s(r['dcp_global_plan_s'])}), "
+                f".metadata {r['metadata_bytes'] / 2**20:8.1f} MiB, "
+                f"peak {r['peak_bytes'] / 2**30:5.2f} GiB, cached {r['cached_global_plan_s']:.4f} s"
+                f", global plannings {r['global_plans']}",
+                flush=True,
+            )
+    growth = {}
+    for m in models:
+        measured = [r for r in rows if r["model"] == m]
+        if len(measured) < 2:
+            continue
+        growth[m] = {k: _slope([(r["world"], r[k]) for r in measured]) for k in METRICS}
+        fits = {k: _fit([(r["world"], r[k]) for r in measured]) for k in METRICS}
+        for w in worlds:
+            if any(r["model"] == m and r["world"] == w for r in rows):
+                continue
+            est = {k: fits[k][0] + fits[k][1] * w for k in METRICS}
+            rows.append(
+                {"model": m, "world": w, "items": items_per_rank(m) * w, "measured": False, **est}
+            )
+    rows.sort(key=lambda r: (models.index(r["model"]), r["world"]))
+    print(
+        f"\n{'model':>5} {'ranks':>6} {'items M':>8} {'plan s':>8} {'DCP s':>7} "
+        f"{'.metadata MiB':>14} {'gathered MiB':>13} {'peak GiB':>9} {'cached s':>9} "
+        f"{'plannings':>9}"
+    )
+    for r in rows:
+        tag = "" if r["measured"] else "  (extrapolated)"
+        cached = f"{r['cached_global_plan_s']:>9.4f}" if r["measured"] else "        -"
+        plans = f"{r['global_plans']:>9d}" if r["measured"] else "        -"
+        print(
+            f"{r['model']:>5} {r['world']:>6} {r['items'] / 1e6:>8.2f} {r['global_plan_s']:>8.2f} "
+            f"{_s(r.get('dcp_global_plan_s')).replace(' s', '').replace('not run', '-'):>7} "
+            f"{r['metadata_bytes'] / 2**20:>14.1f} {r['gathered_bytes'] / 2**20:>13.1f} "
+            f"{r['peak_bytes'] / 2**30:>9.2f} {cached} {plans}{tag}"
+        )
+    print("\ngrowth exponent, log-log fit over the measured world sizes >= 32 (1.0 = linear):")
+    for m, g in growth.items():
+        print(f"  {m}: " + ", ".join(f"{k} {v:.2f}" for k, v in g.items()))
+    result = {"tp": TP, "max_items": opts.max_items, "rows": rows, "growth": growth}
+    if opts.json:
+        opts.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {opts.json}")
+    png = opts.png or (opts.json.with_suffix(".png") if opts.json else None)
+    if png:
+        _plot(rows, models, png)
+        print(f"wrote {png}")
+    return 0
+
+
+def _plot(rows: list[dict], models: list[str], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = [
+        ("global_plan_s", "coordinator's global planning (s)", 1),
+        ("metadata_bytes", ".metadata (MiB)", 2**20),
+        ("peak_bytes", "coordinator's peak memory (GiB)", 2**30),
+    ]
+    for ax, (key, title, scale) in zip(axes, panels):
+        for m in models:
+            pts = [r for r in rows if r["model"] == m]
+            meas = [(r["world"], r[key] / scale) for r in pts if r["measured"]]
+            ext = [(r["world"], r[key] / scale) for r in pts if not r["measured"]]
+            (line,) = ax.plot(*zip(*meas), "o-", label=f"Llama 3 {m}") if meas else (None,)
+            if ext:
+                color = line.get_color() if line else None
+                first = meas[-1:] + ext
+                ax.plot(*zip(*first), "--", color=color, alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks (TP 8 x FSDP)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("DCP save planning, model + AdamW (solid: measured; dashed: extrapolated)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
