@@ -87,14 +87,19 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--interval", type=int, default=5)
+    parser.add_argument("--modes", default=",".join(MODES), help="checkpoint modes to run")
     parser.add_argument("--json", type=Path)
     opts = parser.parse_args()
+    modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            parser.error(f"--modes: {m!r} is not one of {', '.join(MODES)}")
     if opts.steps < 3 * opts.interval:
         parser.error("--steps must allow at least 3 saves (>= 3 x --interval)")
     work = Path(tempfile.mkdtemp(prefix="dcpkit-cost-"))
     runs: dict[str, dict] = {}
     try:
-        order = [("baseline", None), *((m, m) for m in MODES), ("baseline_again", None)]
+        order = [("baseline", None), *((m, m) for m in modes), ("baseline_again", None)]
         for name, mode in order:
             runs[name] = train(work / name, opts.nproc, opts.steps, opts.interval, mode)
             print(f"  ran {name}: {runs[name]['wall_s']:.1f}s", flush=True)
@@ -123,7 +128,7 @@ def main() -> int:
         f"{'x copy floor':>13}"
     )
     results = {}
-    for mode in MODES:
+    for mode in modes:
         steps = runs[mode]["steps"]
         total = sum(steps[s]["step_time_s"] for s in window)
         cost = (total - base_total) / len(saves_in)

@@ -59,3 +59,19 @@ def test_moe_convert_benchmark_small(tmp_path):
     for name in ("dcpkit to-hf", "dcpkit from-hf", "dcpkit from-hf (FP8 source)"):
         assert results[name]["wall_s"] > 0
         assert results[name]["rss_above_baseline_bytes"] < data["rss_bound_bytes"], name
+
+
+def test_train_cost_benchmark_small(tmp_path):
+    out = tmp_path / "cost.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "train_cost.py"), "--steps", "6"]
+    cmd += ["--interval", "2", "--modes", "async", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    r = data["results"]["async"]
+    # Measured from the runs' own step records: two saves in steps 2-5, each blocking a while.
+    assert set(data["step_times"]) == {"baseline", "async", "baseline_again"}
+    assert len(data["step_times"]["async"]) == 4
+    assert 0 < r["blocked_per_save_s"] < r["saving_step_s"]
+    assert data["copy_floor_s"] > 0 and data["state_bytes_per_rank"] > 1 << 20
+    assert "true cost/save" in proc.stdout
