@@ -8,13 +8,18 @@ manifest included, is found and named. Building, sealing and parsing live here, 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 import xxhash
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from dcpkit.layout import MANIFEST, MODEL
 
@@ -35,6 +40,55 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.file}: {self.message}" if self.file else self.message
+
+
+class _HashingStream(io.RawIOBase):
+    """A file being written, hashed (xxh3-64) as its bytes go by."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.hash, self.size, self.in_order = raw, xxhash.xxh3_64(), 0, True
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = self.raw.write(b)
+        self.hash.update(b)
+        self.size += len(memoryview(b).cast("B"))
+        return n
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def seek(self, *args: Any) -> int:
+        self.in_order = False  # the bytes hashed are no longer the file's: read it back
+        return self.raw.seek(*args)
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's file system, recording each written file's checksum in ``digests`` (name ->
+    (xxh3-64, size)) so that the manifest need not read the files back."""
+
+    def __init__(self, digests: dict[str, tuple[str, int]]) -> None:
+        super().__init__()
+        self.digests = digests
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+            if hashing.in_order:
+                self.digests[Path(path).name] = (hashing.hash.hexdigest(), hashing.size)
 
 
 def checksum_stream(f: BinaryIO) -> str:

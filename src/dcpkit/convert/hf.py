@@ -219,7 +219,14 @@ def from_hf(
                 tmp = pending.scratch()
                 # DCP's writer holds the block it wrote while the next one is produced: two
                 # blocks of half the budget each.
-                write_dcp(tmp, state, produce, max_chunk_bytes=budget // 2, row_block=row_block)
+                write_dcp(
+                    tmp,
+                    state,
+                    produce,
+                    max_chunk_bytes=budget // 2,
+                    row_block=row_block,
+                    digests=pending.digests,
+                )
                 manifest = build_manifest(
                     None,
                     1,

@@ -107,7 +107,9 @@ def from_torch(
                 bar.update(t.numel() * t.element_size())
                 return t
 
-            write_dcp(pending.scratch(), state, produce, max_chunk_bytes=budget)
+            write_dcp(
+                pending.scratch(), state, produce, max_chunk_bytes=budget, digests=pending.digests
+            )
             groups = sorted({k.split(".", 1)[0] if not is_model_key(k) else MODEL for k in refs})
             files = pending.describe(pending.local_files())
             pending.write_manifest(build_manifest(None, 1, groups, files, source=str(pth)))

@@ -35,7 +35,7 @@ from dcpkit.dist import quiet_single_process
 from dcpkit.errors import first_failure
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.layout import MANIFEST, METADATA, MODEL, is_model_key
-from dcpkit.manifest import parse_manifest
+from dcpkit.manifest import HashingFileSystem, parse_manifest
 from dcpkit.safe_pickle import UnsafeCheckpoint, check_inside, load_metadata, load_value
 
 Opener = Callable[[Path], Any]
@@ -350,18 +350,22 @@ def write_dcp(
     max_chunk_bytes: int = 256 << 20,
     on_written: Callable[[int], None] = lambda n: None,
     row_block: dict[str, int] | None = None,
+    digests: dict[str, tuple[str, int]] | None = None,
 ) -> None:
     """Write a DCP checkpoint (one process) whose tensors come from ``produce(fqn, rows)``.
 
     ``state`` is the (possibly nested) state dict with meta tensors standing for the real ones
     and plain values for the rest; ``fqn`` is DCP's dotted key. ``row_block[fqn]`` keeps row
-    chunks a multiple of that many rows (for row-block transforms).
+    chunks a multiple of that many rows (for row-block transforms). ``digests`` receives each
+    file's checksum as it is written (name -> (xxh3-64, size)): no reading back.
     """
     planner = _LazySavePlanner(produce, max_chunk_bytes, on_written, row_block or {})
     with quiet_single_process():
         # One file per tensor chunk: DCP's writer keeps every tensor of a file referenced until
         # that file is done, so one file per rank would hold the whole model in memory.
         writer = FileSystemWriter(str(path), single_file_per_rank=False)
+        if digests is not None:
+            writer.fs = HashingFileSystem(digests)
         try:
             dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as e:  # a BaseException wrapping what was raised inside

@@ -133,6 +133,10 @@ class StepEntry:
 class PendingStep(ABC):
     """A checkpoint (or conversion output) being written; invisible until ``publish()``."""
 
+    digests: dict[str, tuple[str, int]] | None = None
+    """Where a writer of local files records each file's checksum as it writes it (name ->
+    (xxh3-64, size)); ``describe`` then does not read it back. None: not offered."""
+
     def __init__(
         self,
         store: CheckpointStore,

@@ -9,16 +9,13 @@ checkpoint as "latest" or the new one, complete. A deletion renames to ``.old-NA
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from dcpkit.layout import (
     HF_FILES,
@@ -29,7 +26,7 @@ from dcpkit.layout import (
     TEMP_PREFIX,
     parse_step,
 )
-from dcpkit.manifest import CHECKSUM_ALGORITHM, checksum_stream, sealed_bytes
+from dcpkit.manifest import CHECKSUM_ALGORITHM, HashingFileSystem, checksum_stream, sealed_bytes
 from dcpkit.safe_pickle import safe_reader
 from dcpkit.storage.base import (
     CheckpointStore,
@@ -42,55 +39,6 @@ from dcpkit.storage.base import (
 
 SafeFileSystemReader = safe_reader(FileSystemReader)
 """DCP's file system reader, reading ``.metadata`` without running code."""
-
-
-class _HashingStream(io.RawIOBase):
-    """A file being written, hashed (xxh3-64) as its bytes go by."""
-
-    def __init__(self, raw: Any) -> None:
-        self.raw, self.hash, self.size, self.in_order = raw, xxhash.xxh3_64(), 0, True
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        n = self.raw.write(b)
-        self.hash.update(b)
-        self.size += len(memoryview(b).cast("B"))
-        return n
-
-    def tell(self) -> int:
-        return self.raw.tell()
-
-    def seek(self, *args: Any) -> int:
-        self.in_order = False  # the bytes hashed are no longer the file's: read it back
-        return self.raw.seek(*args)
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-
-class _HashingFileSystem(FileSystem):
-    """DCP's file system, recording each written file's checksum in ``digests`` (name ->
-    (xxh3-64, size)) so that the manifest need not read the files back."""
-
-    def __init__(self, digests: dict[str, tuple[str, int]]) -> None:
-        super().__init__()
-        self.digests = digests
-
-    @contextlib.contextmanager
-    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            hashing = _HashingStream(stream)
-            yield hashing
-            if hashing.in_order:
-                self.digests[Path(path).name] = (hashing.hash.hexdigest(), hashing.size)
 
 
 class StepFileWriter(CrashPointWriter, FileSystemWriter):
@@ -107,7 +55,7 @@ class StepFileWriter(CrashPointWriter, FileSystemWriter):
         super().__init__(str(path))
         self._step, self._kill_pid = step, kill_pid
         if digests is not None:
-            self.fs = _HashingFileSystem(digests)
+            self.fs = HashingFileSystem(digests)
 
 
 def fsync_dir(path: Path) -> None:
