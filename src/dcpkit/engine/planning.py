@@ -83,14 +83,13 @@ class CachingPlanner(DefaultSavePlanner):
         if CACHING:
             kwargs["enable_plan_caching"] = True
         super().__init__(**kwargs)
-        self._cached_plans_key = key
-        self.cache_key = key
+        self._cached_plans_key = key  # DCP's own cache key, one per saver
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's global planning (deduplication, global plan, metadata), validated in time
         linear in the chunks."""
-        _global_plans[self.cache_key] += 1
-        with _no_gc():  # millions of new objects, no cycles: each full collection walks them all
+        _global_plans[self._cached_plans_key] += 1
+        with paused_gc():  # millions of new objects, no cycles: each full collection walks them all
             deduped = dedup_save_plans(all_plans, getattr(self, "dedup_save_to_lowest_rank", False))
             global_plan, metadata = create_default_global_save_plan(deduped)
         if self.flatten_state_dict:
@@ -104,7 +103,7 @@ class CachingPlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> Any:
         if not hasattr(DefaultSavePlanner, "_create_global_plan"):  # an older DCP: count here
-            _global_plans[self.cache_key] += 1
+            _global_plans[self._cached_plans_key] += 1
         return super().create_global_plan(all_plans)
 
     def cached_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -123,7 +122,9 @@ class CachingPlanner(DefaultSavePlanner):
 
 
 @contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector off for a block (as it was before, after): a save or a load
+    allocates many objects with no cycles, and each full collection would walk the whole heap."""
     enabled = gc.isenabled()
     gc.disable()
     try:
