@@ -1,8 +1,10 @@
 """What a checkpoint really costs a training run: the reference trainer, timed step by step.
 
-    python benchmarks/train_cost.py [--nproc 2] [--steps 40] [--interval 5] [--json PATH]
+    python benchmarks/train_cost.py [--nproc 2] [--steps 40] [--interval 5] [--flavor NAME]
+        [--batch N] [--seq-len N] [--json PATH]
 
-One run of the reference trainer (torchrun, Llama 3 debugmodel, the repository's config) per
+One run of the reference trainer (torchrun, a Llama 3 flavor - debugmodel by default; 200M
+has a step far longer than the copy of its state - and the repository's config) per
 checkpoint mode: without checkpoints (the baseline, run first and last), then ``disabled``
 (synchronous), ``async`` and ``async_with_pinned_mem``, ``--interval`` steps apart. From each
 run's ``metrics.jsonl`` (steps from the first save on, the last step excluded: its save is
@@ -35,11 +37,17 @@ CONFIG = ROOT / "configs" / "llama3_debugmodel.toml"
 MODES = ["disabled", "async", "async_with_pinned_mem"]
 
 
-def train(dump: Path, nproc: int, steps: int, interval: int, mode: str | None) -> dict:
+def train(dump: Path, opts: argparse.Namespace, mode: str | None) -> dict:
     from dcpkit.launch import torchrun_command
     from dcpkit.runlog import read_run
 
+    steps, interval = opts.steps, opts.interval
     overrides = ["--training.steps", str(steps), "--metrics.log_freq", str(steps)]
+    overrides += ["--model.flavor", opts.flavor]
+    if opts.batch:
+        overrides += ["--training.global_batch_size", str(opts.batch)]
+    if opts.seq_len:
+        overrides += ["--training.seq_len", str(opts.seq_len)]
     if mode is None:
         overrides += ["--checkpoint.enable", "false"]
     else:
@@ -52,7 +60,7 @@ def train(dump: Path, nproc: int, steps: int, interval: int, mode: str | None) -
             "2",
         ]
     cmd = torchrun_command(
-        nproc, ["--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), *overrides]
+        opts.nproc, ["--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), *overrides]
     )
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -88,6 +96,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--interval", type=int, default=5)
     parser.add_argument("--modes", default=",".join(MODES), help="checkpoint modes to run")
+    parser.add_argument("--flavor", default="debugmodel", help="Llama 3 flavor")
+    parser.add_argument("--batch", type=int, help="global batch size (default: the config's)")
+    parser.add_argument("--seq-len", type=int, help="sequence length (default: the config's)")
     parser.add_argument("--json", type=Path)
     opts = parser.parse_args()
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
@@ -101,7 +112,7 @@ def main() -> int:
     try:
         order = [("baseline", None), *((m, m) for m in modes), ("baseline_again", None)]
         for name, mode in order:
-            runs[name] = train(work / name, opts.nproc, opts.steps, opts.interval, mode)
+            runs[name] = train(work / name, opts, mode)
             print(f"  ran {name}: {runs[name]['wall_s']:.1f}s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -119,7 +130,7 @@ def main() -> int:
     state_bytes = max(r["step_bytes"] for r in runs.values()) // opts.nproc
     floor = copy_floor(state_bytes)
     print(
-        f"\nLlama 3 debugmodel, {opts.nproc} ranks, a save every {opts.interval} steps; steps "
+        f"\nLlama 3 {opts.flavor}, {opts.nproc} ranks, a save every {opts.interval} steps; steps "
         f"{first}-{last} ({len(saves_in)} saves); state {state_bytes / 2**20:.1f} MiB per rank"
     )
     print(f"baseline step (no checkpoints), median: {step_med:.3f}s; copy floor {floor:.4f}s")
@@ -150,6 +161,7 @@ def main() -> int:
             json.dumps(
                 {
                     "nproc": opts.nproc,
+                    "flavor": opts.flavor,
                     "interval": opts.interval,
                     "steps": opts.steps,
                     "state_bytes_per_rank": state_bytes,

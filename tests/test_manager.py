@@ -69,6 +69,25 @@ def test_round_trip_restores_everything(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_replaced_parameter_is_collected_under_its_name(tmp_path):
+    """The state-dict set-up is reused between saves, but a parameter replaced (here in the
+    model and the optimizer, as a user re-initializing a layer does) is saved, with its
+    optimizer state, under its own name."""
+    model, opt, sched, counter = _setup()
+    mgr = _manager(tmp_path, model, opt, sched, counter, interval=1)
+    _train(model, opt, sched, counter, 1, mgr)
+    old = model.norm.weight
+    model.norm.weight = torch.nn.Parameter(torch.full_like(old, 3.0))
+    group = opt.param_groups[0]["params"]
+    group[next(i for i, p in enumerate(group) if p is old)] = model.norm.weight
+    opt.state[model.norm.weight] = opt.state.pop(old)
+    _train(model, opt, sched, counter, 1, mgr)
+    state = mgr.collect()
+    new = model.norm.weight
+    assert torch.equal(state["norm.weight"], new.detach())
+    assert torch.equal(state["optimizer"]["state.norm.weight.exp_avg"], opt.state[new]["exp_avg"])
+
+
 def test_layout_is_torchtitans(tmp_path):
     model, opt, sched, counter = _setup()
     mgr = _manager(tmp_path, model, opt, sched, counter, interval=1)

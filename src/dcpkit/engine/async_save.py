@@ -46,6 +46,7 @@ from dcpkit.engine.writer_process import WriterProcess
 from dcpkit.units import human_bytes
 
 logger = logging.getLogger(__name__)
+_IMMUTABLE = (int, float, bool, str, bytes, type(None))
 
 
 class AsyncSaveError(RuntimeError):
@@ -93,17 +94,20 @@ class AsyncCheckpointer:
         items: list[WriteItem] = []
         objects: dict[str, bytes] = {}
         sources: dict[str, torch.Tensor] = {}
-        for fqn, obj in flat.items():
-            if isinstance(obj, DTensor):
-                if obj.device_mesh.get_coordinate() is None:
-                    continue
-                sources[fqn] = obj.to_local()
-            elif torch.is_tensor(obj):
-                sources[fqn] = obj
-            else:
-                # Small values; serialized by the writer. Copied now: they may be mutated later.
-                objects[fqn] = copy.deepcopy(obj)
-            items.extend(self._write_items(fqn, obj))
+        with torch.no_grad():  # to_local() without autograd's bookkeeping
+            for fqn, obj in flat.items():
+                if isinstance(obj, DTensor):
+                    if obj.device_mesh.get_coordinate() is None:
+                        continue
+                    sources[fqn] = obj.to_local()
+                elif torch.is_tensor(obj):
+                    sources[fqn] = obj
+                elif type(obj) in _IMMUTABLE:
+                    objects[fqn] = obj
+                else:
+                    # Small values, serialized by the writer; copied now: they may change.
+                    objects[fqn] = copy.deepcopy(obj)
+                items.extend(self._write_items(fqn, obj))
         new_buffers = self._ensure_buffers(sources)
         staged = StagedStep(info, items, mappings, objects, self.plan_key)
         self._staged.clear()

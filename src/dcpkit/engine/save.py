@@ -36,7 +36,11 @@ def collect(
 ) -> dict[str, Any]:
     """The state dict to write, in TorchTitan's top-level layout; a model-only save has its
     floating tensors cast to ``dtype``."""
-    state: dict[str, Any] = dict(model.state_dict())
+    with torch.no_grad():  # detached tensors, without autograd's bookkeeping
+        state: dict[str, Any] = dict(model.state_dict())
+        if not model_only:
+            for name, obj in states.items():
+                state[name] = obj.state_dict()
     if model_only:
         target = DTYPES[dtype]
         if target != torch.float32:
@@ -45,8 +49,6 @@ def collect(
                 for k, v in state.items()
             }
         return state
-    for name, obj in states.items():
-        state[name] = obj.state_dict()
     if rng:
         state[RNG] = {rank_key(dist.rank()): capture_rng()}
     return state

@@ -9,6 +9,7 @@ writes each rank's shards and reshards them on load.
 from __future__ import annotations
 
 import logging
+import operator
 import random
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -25,6 +26,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+
+try:  # torch's own steps of get_model_state_dict / get_optimizer_state_dict, to reuse a set-up
+    from torch.distributed.checkpoint.state_dict import (
+        _gc_context,
+        _get_model_state_dict,
+        _get_optim_state_dict,
+        _verify_options,
+        _verify_state_dict,
+    )
+except ImportError:  # a torch without them: every call sets up anew, through the public API
+    _verify_options = None
 
 from dcpkit import dist
 from dcpkit.layout import DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, RNG
@@ -48,6 +60,40 @@ def as_list(obj: Any) -> list[Any]:
     return list(obj) if isinstance(obj, (list, tuple)) else [obj]
 
 
+class _Collector:
+    """``get_model_state_dict`` / ``get_optimizer_state_dict`` of one model part, with torch's
+    set-up (options, FSDP context, a name for every parameter: a walk of every module, which at
+    small sizes costs more than the collection itself) built once and reused while the part's
+    parameters are the same objects; a parameter replaced or added builds it again."""
+
+    def __init__(self, part: nn.Module, optims: tuple[Any, ...], options: StateDictOptions) -> None:
+        self.part, self.optims, self.options = part, optims, options
+        self._params: tuple[Any, ...] = ()
+        self._info: Any = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if _verify_options is None:
+            if self.optims:
+                return get_optimizer_state_dict(self.part, self.optims, options=self.options)
+            return get_model_state_dict(self.part, options=self.options)
+        with _gc_context():
+            params = tuple(self.part.parameters())
+            if len(params) != len(self._params) or any(map(operator.is_not, params, self._params)):
+                optim_only = bool(self.optims)
+                self._info = _verify_options(
+                    self.part, self.optims, optim_only=optim_only, options=self.options
+                )
+                self._params = params
+            info = self._info
+            if self.optims:
+                optim_sd = _get_optim_state_dict(self.part, self.optims, info)
+                _verify_state_dict({}, optim_sd, info)
+                return optim_sd
+            model_sd = _get_model_state_dict(self.part, info)
+            _verify_state_dict(model_sd, {}, info)
+            return model_sd
+
+
 class ModelState:
     """Parameters of one or more model parts (pipeline stages), flattened into one dict."""
 
@@ -55,11 +101,12 @@ class ModelState:
         self.parts: list[nn.Module] = as_list(model)
         if not self.parts:
             raise ValueError("CheckpointManager needs a model (an nn.Module or a list of them)")
+        self._collectors = [_Collector(p, (), StateDictOptions()) for p in self.parts]
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
-        for part in self.parts:
-            merged.update(get_model_state_dict(part))
+        for collector in self._collectors:
+            merged.update(collector.state_dict())
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -82,11 +129,15 @@ class OptimizerState:
                 f"{len(self.parts)} model parts but {len(self.optimizers)} optimizers: pass one "
                 "optimizer per model part"
             )
+        self._collectors = [
+            _Collector(part, (opt,), self._OPTIONS)
+            for part, opt in zip(self.parts, self.optimizers)
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
-        for part, opt in zip(self.parts, self.optimizers):
-            merged.update(get_optimizer_state_dict(part, opt, options=self._OPTIONS))
+        for collector in self._collectors:
+            merged.update(collector.state_dict())
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
