@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import subprocess
 
@@ -125,6 +126,21 @@ def test_a_full_disk_is_named_and_leaves_the_previous_step(mode, tmp_path, proce
         assert [n for n in store.list_names() if n.startswith(".tmp")] == []
         with contextlib.suppress(Exception):
             mgr.close()
+
+
+def test_a_full_disk_in_a_conversion_is_named(tmp_path):
+    """A conversion writing DCP onto a full disk says so (torch's own words are "unexpected
+    pos"), and leaves no output behind."""
+    from dcpkit.convert.torch_save import from_torch
+
+    pth = tmp_path / "state.pth"
+    torch.save({f"w{i}": torch.randn(256, 1024) for i in range(4)}, pth)  # 4 MiB
+    with _small_disk(tmp_path / "disk", 2 << 20) as disk:
+        with pytest.raises(OSError) as failure:
+            from_torch(pth, disk / "ckpt", budget=256 << 10)
+        assert failure.value.errno == errno.ENOSPC, failure.value
+        assert "the disk is full" in str(failure.value) and str(disk) in str(failure.value)
+        assert sorted(p.name for p in disk.iterdir()) == []
 
 
 class Generator:

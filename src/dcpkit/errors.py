@@ -1,5 +1,9 @@
 """The errors dcpkit raises, and how the command line describes any error in one paragraph."""
 
+import errno
+import shutil
+from pathlib import Path
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message says which one and why."""
@@ -13,6 +17,27 @@ def first_failure(e: BaseException) -> BaseException:
         if isinstance(inner, BaseException):
             return first_failure(inner)
     return e
+
+
+def disk_full(e: BaseException, free: int | None) -> bool:
+    """Whether a write failed for want of space: ENOSPC or EDQUOT, or - with under 64 MiB left
+    (``free`` bytes) - torch's archive writer's "unexpected pos", which hides ENOSPC."""
+    if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e):
+        return True
+    return free is not None and "unexpected pos" in str(e) and free < (64 << 20)
+
+
+def out_of_space(e: BaseException, path: Path) -> BaseException:
+    """``e``, or, when it is a full disk under ``path``, an ``OSError(ENOSPC)`` that says so
+    with the space left (torch's own message for it is "unexpected pos 704 vs 598")."""
+    folder = next((p for p in (path, *path.parents) if p.exists()), None)
+    usage = shutil.disk_usage(folder) if folder is not None else None
+    if not disk_full(e, usage.free if usage else None):
+        return e
+    from dcpkit.units import human_bytes
+
+    have = f" ({human_bytes(usage.free)} free of {human_bytes(usage.total)})" if usage else ""
+    return OSError(errno.ENOSPC, f"writing {path}: the disk is full{have}; free space there")
 
 
 class CLIError(Exception):

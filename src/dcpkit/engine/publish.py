@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcpkit import dist, failpoints
 from dcpkit.engine.policy import steps_to_delete
-from dcpkit.errors import CheckpointError, first_failure
+from dcpkit.errors import CheckpointError, disk_full, first_failure
 from dcpkit.layout import METADATA, step_name
 from dcpkit.manifest import build_manifest
 from dcpkit.units import human_bytes
@@ -222,10 +222,7 @@ def save_failure(e: BaseException, info: StepInfo, state: dict[str, Any]) -> str
     where = f"saving step {info.step} into {store.root} failed"
     code = getattr(e, "errno", None)
     space = store.space()
-    full = code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)
-    if not full and space is not None and "unexpected pos" in str(e):
-        full = space[0] < (64 << 20)  # torch's archive writer hides ENOSPC behind this
-    if full:
+    if disk_full(e, space[0] if space else None):
         need = _state_bytes(state) * dist.world_size()
         have = f" ({human_bytes(space[0])} free of {human_bytes(space[1])})" if space else ""
         return (

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dcpkit.dist import quiet_single_process
-from dcpkit.errors import first_failure
+from dcpkit.errors import first_failure, out_of_space
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.layout import MANIFEST, METADATA, MODEL, is_model_key
 from dcpkit.manifest import HashingFileSystem, parse_manifest
@@ -369,7 +369,7 @@ def write_dcp(
         try:
             dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as e:  # a BaseException wrapping what was raised inside
-            raise first_failure(e) from None
+            raise out_of_space(first_failure(e), path) from None
 
 
 def meta_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
