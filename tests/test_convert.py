@@ -136,6 +136,37 @@ def test_small_budget_hf_round_trip_uses_row_blocks(stopped_run, tmp_path):
     _same_tensors(tmp_path / "back", src)
 
 
+def test_conversions_checksum_what_they_write(stopped_run, tmp_path, monkeypatch):
+    """The manifest of a conversion's output holds each file's checksum, taken on the bytes as
+    they were written: the big files (shards, DCP data) are not read back for it, and every
+    recorded checksum is the file's (an integrity check reads each one)."""
+    import dcpkit.storage.local as local
+    from dcpkit.integrity import verify_checkpoint
+    from dcpkit.storage import open_location
+
+    read_back: list[str] = []
+    real = local.checksum_stream
+
+    def recording(f):  # type: ignore[no-untyped-def]
+        read_back.append(Path(f.name).name)
+        return real(f)
+
+    monkeypatch.setattr(local, "checksum_stream", recording)
+    src = _ckpt(stopped_run)
+    to_hf(src, tmp_path / "hf", "llama3", "debugmodel", budget=32 << 10, max_shard_size="300KB")
+    from_hf(tmp_path / "hf", tmp_path / "back", "llama3", budget=32 << 10)
+    to_torch(src, tmp_path / "model.pth")
+    from_torch(tmp_path / "model.pth", tmp_path / "back_torch", budget=64 << 10)
+    shards = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert len(shards) > 1
+    big = [n for n in read_back if n.endswith((".safetensors", ".distcp"))]
+    assert big == [], big
+    for out in ("hf", "back", "back_torch"):
+        store, name = open_location(tmp_path / out)
+        report = verify_checkpoint(store, name)
+        assert report.ok and report.checksummed and report.files_checked >= 2, (out, report)
+
+
 def test_newer_torchtitan_dialect_exports_the_same(stopped_run, tmp_path):
     src = _ckpt(stopped_run)
     with DCPCheckpoint(src) as c:

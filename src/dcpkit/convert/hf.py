@@ -93,7 +93,17 @@ def to_hf(
     ):
         tmp = pending.scratch()
         result, plan, out_dtype = write_hf_folder(
-            src, tmp, adapter, args, flavor, tokenizer, dtype, max_shard_size, budget, str(ckpt)
+            src,
+            tmp,
+            adapter,
+            args,
+            flavor,
+            tokenizer,
+            dtype,
+            max_shard_size,
+            budget,
+            str(ckpt),
+            digests=pending.digests,
         )
         result.output = str(out)
         manifest = build_manifest(
@@ -131,9 +141,11 @@ def write_hf_folder(
     max_shard_size: str | int = "5GB",
     budget: int = DEFAULT_BUDGET,
     name: str = "",
+    digests: dict[str, tuple[str, int]] | None = None,
 ) -> tuple[ConversionResult, Any, dict[str, torch.dtype]]:
     """Write the model of ``src`` into the empty folder ``dest``: safetensors shards and their
-    index, ``config.json``, ``generation_config.json`` and the tokenizer files."""
+    index, ``config.json``, ``generation_config.json`` and the tokenizer files. ``digests``
+    receives the shards' checksums, hashed as they are written."""
     tok = find_tokenizer(Path(tokenizer), args.max_seq_len) if tokenizer else None
     keys = [k for k in src.tensors if src.is_model_key(k)]
     if not keys:
@@ -148,6 +160,7 @@ def write_hf_folder(
         [(hf, view.shape(hf), out_dtype[hf]) for hf in view.names()],
         parse_size(max_shard_size),
         metadata={"source": "dcpkit", "family": adapter.family, "flavor": flavor},
+        digests=digests,
     )
     with progress(writer.total_size, "to-hf") as bar:
         for hf in view.names():

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from dcpkit.formats.base import TensorTable
 from dcpkit.layout import HF_INDEX, HF_SINGLE
@@ -234,8 +235,14 @@ class SafetensorsWriter:
         entries: list[tuple[str, tuple[int, ...], torch.dtype]],
         max_shard_bytes: int,
         metadata: dict[str, str] | None = None,
+        digests: dict[str, tuple[str, int]] | None = None,
     ) -> None:
+        """``digests`` receives each shard's checksum (name -> (xxh3-64, size)) hashed as it is
+        written, for shards written front to back (the order of ``entries``, rows ascending);
+        a shard written out of order is left out (its checksum is read back later)."""
         self.folder = folder
+        self.digests = digests
+        self._hashing: dict[str, tuple[Any, int]] = {}  # shard -> (hash, bytes hashed so far)
         shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
         size = 0
         for name, shape, dtype in entries:
@@ -266,8 +273,10 @@ class SafetensorsWriter:
             raw += b" " * (-len(raw) % 8)
             data_start = 8 + len(raw)
             f = open(folder / file, "w+b")  # noqa: SIM115
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
+            head = struct.pack("<Q", len(raw)) + raw
+            f.write(head)
+            if digests is not None:
+                self._hashing[file] = (xxhash.xxh3_64(head), len(head))
             f.truncate(data_start + offset)
             self.files[file] = f
             for name, shape, dtype, n in shard:
@@ -281,14 +290,24 @@ class SafetensorsWriter:
             raise ValueError(f"{name}: block shape {tuple(tensor.shape)} does not fit {e.shape}")
         data = tensor.to(e.dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
         f = self.files[e.file]
-        f.seek(e.start + (rows[0] * e.row_bytes if rows else 0))  # type: ignore[attr-defined]
+        at = e.start + (rows[0] * e.row_bytes if rows else 0)
+        f.seek(at)  # type: ignore[attr-defined]
         f.write(memoryview(data))  # type: ignore[attr-defined]
+        hashing = self._hashing.get(e.file)
+        if hashing is not None and hashing[1] == at:
+            hashing[0].update(memoryview(data))
+            self._hashing[e.file] = (hashing[0], at + data.nbytes)
+        elif hashing is not None:  # out of order: this shard is checksummed by reading it
+            del self._hashing[e.file]
 
     def close(self) -> None:
         for f in self.files.values():
             f.flush()  # type: ignore[attr-defined]
             os.fsync(f.fileno())  # type: ignore[attr-defined]
             f.close()  # type: ignore[attr-defined]
+        for file, (h, hashed) in self._hashing.items():
+            if self.digests is not None and hashed == (self.folder / file).stat().st_size:
+                self.digests[file] = (h.hexdigest(), hashed)
         index = {
             "metadata": {"total_size": self.total_size},
             "weight_map": {name: e.file for name, e in sorted(self.entries.items())},
