@@ -331,20 +331,11 @@ def main() -> int:
     results: dict[str, dict] = {}
     pressure: dict[str, dict] = {}
 
-    def dump(partial: bool) -> None:
+    def dump(partial: bool, **extra: float) -> None:
         if opts.json:  # what is measured so far survives a run cut short
-            opts.json.write_text(
-                json.dumps(
-                    {
-                        "device": opts.device,
-                        "partial": partial,
-                        "results": results,
-                        "pressure": pressure,
-                    },
-                    indent=2,
-                )
-                + "\n"
-            )
+            out = {"device": opts.device, "partial": partial, **extra}
+            out.update(results=results, pressure=pressure)
+            opts.json.write_text(json.dumps(out, indent=2) + "\n")
 
     try:
         for mode in MODES:
@@ -422,14 +413,8 @@ def main() -> int:
         )
         print(f"checksums: {100 * r['checksum_share_of_save']:.1f}% of the sync save time")
     _report_pressure(pressure, ok)
+    dump(False, floor_s=floor)
     if opts.json:
-        opts.json.write_text(
-            json.dumps(
-                {"device": opts.device, "floor_s": floor, "results": results, "pressure": pressure},
-                indent=2,
-            )
-            + "\n"
-        )
         print(f"\nwrote {opts.json}")
     return 0
 
