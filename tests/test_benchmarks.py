@@ -75,3 +75,22 @@ def test_train_cost_benchmark_small(tmp_path):
     assert 0 < r["blocked_per_save_s"] < r["saving_step_s"]
     assert data["copy_floor_s"] > 0 and data["state_bytes_per_rank"] > 1 << 20
     assert "true cost/save" in proc.stdout
+
+
+def test_model_io_benchmark_small(tmp_path):
+    out = tmp_path / "model_io.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "model_io.py"), "--flavor", "debugmodel"]
+    cmd += ["--dtype", "float32", "--nproc", "1", "2", "--json", str(out)]
+    cmd += ["--workdir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data["runs"]) == {"1", "2"}
+    for nproc, run in data["runs"].items():
+        s = run["slowest"]
+        for key in ("load_s", "raw_read_s", "save_s", "raw_write_fsync_s"):
+            assert s[key] > 0, (nproc, key)
+        # Every rank saved its shard of the model and the load filled the model.
+        assert sum(r["rank_bytes"] for r in run["ranks"]) >= 0.9 * data["checkpoint_bytes"]
+        assert s["saved_bytes"] >= 0.9 * data["checkpoint_bytes"]
+    assert "x baseline speed" in proc.stdout

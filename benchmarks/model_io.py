@@ -1,0 +1,222 @@
+"""A real model's checkpoint through ``CheckpointManager``: load and save of Llama 3 8B shapes
+(bfloat16, 15 GiB) at 1 and 2 ranks, each beside raw IO of the same bytes, with peak memory.
+
+    python benchmarks/model_io.py [--flavor 8B] [--dtype bfloat16] [--nproc 1 2] [--json PATH]
+
+The checkpoint is written once, tensor by tensor from random values (never the whole model in
+memory), as the model-only DCP checkpoint a ``from-hf`` import gives. Then, for each world size,
+one torchrun job (gloo, CPU) builds the model on the meta device, shards it with FSDP2 over the
+ranks, materializes and touches its shards (the model's own memory, the baseline), and times,
+slowest rank, all ranks starting together:
+
+- load: ``CheckpointManager.load_from(checkpoint, model_only=True)``, page cache dropped first,
+  against a raw parallel read of the checkpoint's files (each rank its share, the same threads,
+  into a reused buffer), page cache dropped first;
+- save: ``CheckpointManager.save(step, force=True)`` (synchronous, durable, published), against
+  a raw write + fsync of each rank's shard bytes into one file.
+
+Peak memory is each rank's peak resident set during the operation (``VmHWM``, reset before it)
+above the resident set of the materialized model: what the checkpoint costs beyond the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+DTYPES = ("bfloat16", "float32")
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # 5: reset the peak resident set (VmHWM)
+        f.write("5")
+
+
+def _raw_read(files: list[Path], threads: int, block: int = 64 << 20) -> int:
+    """Read ``files`` (byte-balanced over ``threads``) into one reused buffer per thread."""
+    pieces = []
+    for path in files:
+        size = path.stat().st_size
+        step = max(1, -(-size // threads))
+        pieces += [(path, s, min(step, size - s)) for s in range(0, size, step)]
+
+    def read(piece) -> int:  # type: ignore[no-untyped-def]
+        path, start, n = piece
+        buf, done = bytearray(min(block, n)), 0
+        view = memoryview(buf)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            while done < n:
+                got = f.readinto(view[: min(len(buf), n - done)])
+                if not got:
+                    break
+                done += got
+        return done
+
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(read, pieces))
+
+
+def worker(src: Path, work: Path, flavor: str, dtype_name: str) -> None:
+    import torch
+    import torch.distributed as td
+    from io_speed import _raw_write
+    from recovery import _evict, _local
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dcpkit import CheckpointConfig, CheckpointManager
+    from dcpkit.formats.dcp_reader import default_threads
+    from dcpkit.models import build_model
+
+    td.init_process_group("gloo")
+    rank, world = td.get_rank(), td.get_world_size()
+    with torch.device("meta"):
+        model = build_model("llama3", flavor, max_seq_len=256)
+    model = model.to(getattr(torch, dtype_name))
+    if world > 1:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    tensors = [_local(p.detach()) for p in model.parameters()]
+    for t in tensors:
+        t.zero_()  # touched: the model's own memory is in the baseline
+    rank_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    out: dict[str, float] = {"rank_bytes": rank_bytes}
+
+    def timed(key: str, fn) -> None:  # type: ignore[no-untyped-def]
+        td.barrier()
+        base = _rss("VmRSS")
+        _reset_peak()
+        t0 = time.perf_counter()
+        fn()
+        td.barrier()
+        out[key] = time.perf_counter() - t0
+        out[key.replace("_s", "_peak_above_model")] = max(0, _rss("VmHWM") - base)
+
+    files = sorted(p for p in src.iterdir() if p.is_file())
+    mine = files[rank::world]
+    threads = default_threads()
+    cfg = CheckpointConfig(enable=True, folder=str(work / "out"), interval=1, keep_latest_k=0)
+    mgr = CheckpointManager(cfg, work, model, save_rng=False)
+    if rank == 0:
+        _evict(src)
+    timed("load_s", lambda: mgr.load_from(src, model_only=True))
+    probe = next(iter(model.state_dict().values()))
+    out["loaded_nonzero"] = float(_local(probe.detach()).abs().sum() > 0)
+    if rank == 0:
+        _evict(src)
+    timed("raw_read_s", lambda: _raw_read(mine, threads))
+    timed("save_s", lambda: mgr.save(1, force=True))
+    mgr.close()
+    saved = work / "out" / "step-1"
+    out["saved_bytes"] = sum(p.stat().st_size for p in saved.iterdir() if p.is_file())
+    td.barrier()
+    if rank == 0:
+        shutil.rmtree(work / "out")  # room for the raw write
+    td.barrier()
+    raw = work / f"raw-{rank}.bin"
+    timed("raw_write_fsync_s", lambda: _raw_write(tensors, raw))
+    raw.unlink()
+    out["threads"] = threads
+    gathered: list = [None] * world
+    td.all_gather_object(gathered, out)
+    if rank == 0:
+        print("RESULT " + json.dumps(gathered), flush=True)
+    td.destroy_process_group()
+
+
+ROWS = [
+    ("load, page cache dropped", "load_s", "raw_read_s", "raw parallel read"),
+    ("sync save (durable, published)", "save_s", "raw_write_fsync_s", "raw write + fsync"),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavor", default="8B", help="Llama 3 flavor (default 8B)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder)")
+    parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.worker:
+        worker(opts.worker[0], opts.worker[1], opts.flavor, opts.dtype)
+        return 0
+    import torch
+    from convert import make_checkpoint
+
+    from dcpkit.models.llama3 import LLAMA3_FLAVORS
+
+    work = Path(tempfile.mkdtemp(prefix="dcpkit-model-io-", dir=opts.workdir))
+    results: dict = {"flavor": opts.flavor, "dtype": opts.dtype, "runs": {}}
+    try:
+        src = work / "checkpoint"
+        t0 = time.perf_counter()
+        args = LLAMA3_FLAVORS[opts.flavor]
+        size = make_checkpoint(src, args, getattr(torch, opts.dtype))
+        results["checkpoint_bytes"] = size
+        print(
+            f"Llama 3 {opts.flavor} ({opts.dtype}): checkpoint of {size / (1 << 30):.2f} GiB in "
+            f"{len(list(src.iterdir()))} files, written in {time.perf_counter() - t0:.0f}s",
+            flush=True,
+        )
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
+        for nproc in opts.nproc:
+            job = work / f"job-{nproc}"
+            job.mkdir()
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            cmd += [f"--nproc-per-node={nproc}", __file__, "--flavor", opts.flavor]
+            cmd += ["--dtype", opts.dtype, "--worker", str(src), str(job)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            shutil.rmtree(job, ignore_errors=True)
+            if proc.returncode != 0 or line is None:
+                print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+                return 1
+            ranks = json.loads(line[len("RESULT ") :])
+            if not all(r["loaded_nonzero"] for r in ranks):
+                print("the load left the model's first tensor zero", file=sys.stderr)
+                return 1
+            slowest = {k: max(r[k] for r in ranks) for k in ranks[0]}
+            results["runs"][nproc] = {"slowest": slowest, "ranks": ranks}
+            gib = size / (1 << 30)
+            print(f"\n{nproc} rank(s), {ranks[0]['threads']} read threads per rank")
+            print("| operation | seconds | GiB/s | baseline | seconds | x baseline speed |")
+            print("|---|---|---|---|---|---|")
+            for name, key, base, base_name in ROWS:
+                s, b = slowest[key], slowest[base]
+                print(f"| {name} | {s:.2f} | {gib / s:.2f} | {base_name} | {b:.2f} | {b / s:.2f} |")
+            for key in ("load_peak_above_model", "save_peak_above_model"):
+                print(
+                    f"{key.replace('_', ' ')}: {slowest[key] / (1 << 20):.0f} MiB (max over ranks)"
+                )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if opts.json:
+        opts.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nwrote {opts.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
