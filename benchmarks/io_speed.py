@@ -73,7 +73,7 @@ def worker(gib: float, work: Path, reps: int) -> None:
     from recovery import _evict, _local, build
 
     from dcpkit import CheckpointConfig, CheckpointManager
-    from dcpkit.formats.dcp_reader import default_threads
+    from dcpkit.dist import io_threads
 
     td.init_process_group("gloo")
     rank, world = td.get_rank(), td.get_world_size()
@@ -106,7 +106,7 @@ def worker(gib: float, work: Path, reps: int) -> None:
         raw.unlink()
     files = sorted(p for p in ckpt.iterdir() if p.is_file())
     mine = files[rank::world]
-    threads = default_threads()
+    threads = io_threads()
     into = torch.empty(sum(p.stat().st_size for p in mine), dtype=torch.uint8)
     into.fill_(0)
 

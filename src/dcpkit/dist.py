@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
+
+
+def io_threads() -> int:
+    """Threads a rank reads or writes checkpoint files with: one per core, at most 8 (the
+    writes overlap torch's serialization of one file with the disk writing another)."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def is_dist() -> bool:

@@ -31,13 +31,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
+from dcpkit.dist import io_threads
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.manifest import Problem
 from dcpkit.safe_pickle import safe_reader
-
-
-def default_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[misc]
@@ -54,7 +51,7 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         need read only to be hashed); their problems, and any read failure, are then collected
         in ``problems`` instead of raised."""
         super().__init__(path)
-        self.thread_count = thread_count or default_threads()
+        self.thread_count = thread_count or io_threads()
         self.checksums = dict(checksums or {})
         self.problems: list[Problem] = []
 

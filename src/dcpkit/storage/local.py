@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from dcpkit.dist import io_threads
 from dcpkit.layout import (
     HF_FILES,
     MANIFEST,
@@ -41,6 +42,10 @@ SafeFileSystemReader = safe_reader(FileSystemReader)
 """DCP's file system reader, reading ``.metadata`` without running code."""
 
 
+FILE_SHARE = 256 << 20
+"""Bytes of a rank's share per data file (and writer thread) of a large save."""
+
+
 class StepFileWriter(CrashPointWriter, FileSystemWriter):
     """DCP's file system writer, with the ``mid_write`` crash point; with ``digests``, each
     file's checksum is computed on its bytes as they are written."""
@@ -56,6 +61,18 @@ class StepFileWriter(CrashPointWriter, FileSystemWriter):
         self._step, self._kill_pid = step, kill_pid
         if digests is not None:
             self.fs = HashingFileSystem(digests)
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        # A large share is written as a file per thread (one per 256 MiB, one per core at most):
+        # one thread serializes a tensor while another's file goes to disk. A small one stays a
+        # single file per rank.
+        nbytes = sum(
+            i.tensor_data.size.numel() * i.tensor_data.properties.dtype.itemsize
+            for i in plan.items
+            if i.tensor_data is not None
+        )
+        self.thread_count = max(1, min(io_threads(), nbytes // FILE_SHARE))
+        return super().write_data(plan, planner)
 
 
 def fsync_dir(path: Path) -> None:
