@@ -7,11 +7,11 @@ The checkpoint is written once, tensor by tensor from random values (never the w
 memory), as the model-only DCP checkpoint a ``from-hf`` import gives. Then, for each world size,
 one torchrun job (gloo, CPU) builds the model on the meta device, shards it with FSDP2 over the
 ranks, materializes and touches its shards (the model's own memory, the baseline), and times,
-slowest rank, all ranks starting together:
+slowest rank, all ranks starting together, medians of ``--reps`` runs whose order alternates:
 
 - load: ``CheckpointManager.load_from(checkpoint, model_only=True)``, page cache dropped first,
-  against a raw parallel read of the checkpoint's files (each rank its share, the same threads,
-  into a reused buffer), page cache dropped first;
+  against a raw parallel read of the checkpoint's files (each rank its share, cut into as many
+  contiguous byte ranges as the reader has threads, into a reused buffer), page cache dropped;
 - save: ``CheckpointManager.save(step, force=True)`` (synchronous, durable, published), against
   a raw write + fsync of each rank's shard bytes into one file.
 
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,31 +50,43 @@ def _reset_peak() -> None:
 
 
 def _raw_read(files: list[Path], threads: int, block: int = 64 << 20) -> int:
-    """Read ``files`` (byte-balanced over ``threads``) into one reused buffer per thread."""
-    pieces = []
-    for path in files:
-        size = path.stat().st_size
-        step = max(1, -(-size // threads))
-        pieces += [(path, s, min(step, size - s)) for s in range(0, size, step)]
+    """Read ``files`` as one stream cut into ``threads`` contiguous byte ranges (each thread
+    reads its files front to back, as the checkpoint reader does), into one reused buffer per
+    thread."""
+    sizes = [p.stat().st_size for p in files]
+    share = max(1, -(-sum(sizes) // threads))
+    ranges: list[list[tuple[Path, int, int]]] = [[]]
+    left = share
+    for path, size in zip(files, sizes):
+        at = 0
+        while at < size:
+            n = min(size - at, left)
+            ranges[-1].append((path, at, n))
+            at, left = at + n, left - n
+            if left == 0:
+                ranges.append([])
+                left = share
 
-    def read(piece) -> int:  # type: ignore[no-untyped-def]
-        path, start, n = piece
-        buf, done = bytearray(min(block, n)), 0
-        view = memoryview(buf)
-        with open(path, "rb", buffering=0) as f:
-            f.seek(start)
-            while done < n:
-                got = f.readinto(view[: min(len(buf), n - done)])
-                if not got:
-                    break
-                done += got
-        return done
+    def read(pieces: list[tuple[Path, int, int]]) -> int:
+        buf = bytearray(block)
+        view, total = memoryview(buf), 0
+        for path, start, n in pieces:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(start)
+                done = 0
+                while done < n:
+                    got = f.readinto(view[: min(block, n - done)])
+                    if not got:
+                        break
+                    done += got
+            total += done
+        return total
 
     with ThreadPoolExecutor(threads) as pool:
-        return sum(pool.map(read, pieces))
+        return sum(pool.map(read, [r for r in ranges if r]))
 
 
-def worker(src: Path, work: Path, flavor: str, dtype_name: str) -> None:
+def worker(src: Path, work: Path, flavor: str, dtype_name: str, reps: int) -> None:
     import torch
     import torch.distributed as td
     from io_speed import _raw_write
@@ -82,7 +95,7 @@ def worker(src: Path, work: Path, flavor: str, dtype_name: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from dcpkit import CheckpointConfig, CheckpointManager
-    from dcpkit.formats.dcp_reader import default_threads
+    from dcpkit.dist import io_threads
     from dcpkit.models import build_model
 
     td.init_process_group("gloo")
@@ -102,6 +115,8 @@ def worker(src: Path, work: Path, flavor: str, dtype_name: str) -> None:
     rank_bytes = sum(t.numel() * t.element_size() for t in tensors)
     out: dict[str, float] = {"rank_bytes": rank_bytes}
 
+    runs: dict[str, list[float]] = {}
+
     def timed(key: str, fn) -> None:  # type: ignore[no-untyped-def]
         td.barrier()
         base = _rss("VmRSS")
@@ -109,33 +124,47 @@ def worker(src: Path, work: Path, flavor: str, dtype_name: str) -> None:
         t0 = time.perf_counter()
         fn()
         td.barrier()
-        out[key] = time.perf_counter() - t0
-        out[key.replace("_s", "_peak_above_model")] = max(0, _rss("VmHWM") - base)
+        runs.setdefault(key, []).append(time.perf_counter() - t0)
+        peak = key.replace("_s", "_peak_above_model")
+        out[peak] = max(out.get(peak, 0), _rss("VmHWM") - base)
 
     files = sorted(p for p in src.iterdir() if p.is_file())
     mine = files[rank::world]
-    threads = default_threads()
+    threads = io_threads()
     cfg = CheckpointConfig(enable=True, folder=str(work / "out"), interval=1, keep_latest_k=0)
     mgr = CheckpointManager(cfg, work, model, save_rng=False)
-    if rank == 0:
-        _evict(src)
-    timed("load_s", lambda: mgr.load_from(src, model_only=True))
-    probe = next(iter(model.state_dict().values()))
-    out["loaded_nonzero"] = float(_local(probe.detach()).abs().sum() > 0)
-    if rank == 0:
-        _evict(src)
-    timed("raw_read_s", lambda: _raw_read(mine, threads))
-    timed("save_s", lambda: mgr.save(1, force=True))
-    mgr.close()
-    saved = work / "out" / "step-1"
-    out["saved_bytes"] = sum(p.stat().st_size for p in saved.iterdir() if p.is_file())
-    td.barrier()
-    if rank == 0:
-        shutil.rmtree(work / "out")  # room for the raw write
-    td.barrier()
     raw = work / f"raw-{rank}.bin"
-    timed("raw_write_fsync_s", lambda: _raw_write(tensors, raw))
-    raw.unlink()
+
+    def load() -> None:
+        mgr.load_from(src, model_only=True)
+
+    def save() -> None:
+        mgr.save(len(runs.get("save_s", [])) + 1, force=True)
+
+    # Alternating which goes first, so that neither always meets the disk the other left.
+    for rep in range(reps):
+        for pair in (
+            [("load_s", load), ("raw_read_s", lambda: _raw_read(mine, threads))],
+            [("save_s", save), ("raw_write_fsync_s", lambda: _raw_write(tensors, raw))],
+        ):
+            for key, fn in pair if rep % 2 == 0 else pair[::-1]:
+                if rank == 0:
+                    _evict(src)
+                timed(key, fn)
+                td.barrier()
+                if key == "save_s":
+                    probe = next(iter(model.state_dict().values()))
+                    out["loaded_nonzero"] = float(_local(probe.detach()).abs().sum() > 0)
+                    saved = work / "out" / f"step-{len(runs['save_s'])}"
+                    out["saved_bytes"] = sum(p.stat().st_size for p in saved.iterdir())
+                    td.barrier()
+                    if rank == 0:
+                        shutil.rmtree(saved)  # room for what comes next
+                elif key == "raw_write_fsync_s":
+                    raw.unlink()
+                td.barrier()
+    mgr.close()
+    out.update({k: statistics.median(v) for k, v in runs.items()})
     out["threads"] = threads
     gathered: list = [None] * world
     td.all_gather_object(gathered, out)
@@ -155,12 +184,13 @@ def main() -> int:
     parser.add_argument("--flavor", default="8B", help="Llama 3 flavor (default 8B)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--reps", type=int, default=2, help="repetitions (medians reported)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder)")
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker:
-        worker(opts.worker[0], opts.worker[1], opts.flavor, opts.dtype)
+        worker(opts.worker[0], opts.worker[1], opts.flavor, opts.dtype, opts.reps)
         return 0
     import torch
     from convert import make_checkpoint
@@ -186,13 +216,17 @@ def main() -> int:
             job.mkdir()
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
             cmd += [f"--nproc-per-node={nproc}", __file__, "--flavor", opts.flavor]
-            cmd += ["--dtype", opts.dtype, "--worker", str(src), str(job)]
+            cmd += ["--dtype", opts.dtype, "--reps", str(opts.reps)]
+            cmd += ["--worker", str(src), str(job)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             shutil.rmtree(job, ignore_errors=True)
-            if proc.returncode != 0 or line is None:
+            if line is None:
                 print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
                 return 1
+            if proc.returncode != 0:  # every rank had finished and reported: said, not hidden
+                print(f"note: the {nproc}-rank job exited with {proc.returncode} after its results")
+                results.setdefault("exit_codes", {})[nproc] = proc.returncode
             ranks = json.loads(line[len("RESULT ") :])
             if not all(r["loaded_nonzero"] for r in ranks):
                 print("the load left the model's first tensor zero", file=sys.stderr)
