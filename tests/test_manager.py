@@ -88,6 +88,28 @@ def test_a_replaced_parameter_is_collected_under_its_name(tmp_path):
     assert torch.equal(state["optimizer"]["state.norm.weight.exp_avg"], opt.state[new]["exp_avg"])
 
 
+def test_a_large_share_is_written_as_a_file_per_thread(tmp_path, monkeypatch):
+    """Past ``FILE_SHARE`` bytes a rank writes a file per thread; the step verifies and loads
+    back bitwise, as a single-file one does."""
+    import dcpkit.storage.local as local
+    from dcpkit.dist import io_threads
+
+    monkeypatch.setattr(local, "FILE_SHARE", 64 << 10)
+    model, opt, sched, counter = _setup()
+    mgr = _manager(tmp_path, model, opt, sched, counter, interval=1)
+    _train(model, opt, sched, counter, 1, mgr)
+    step = tmp_path / "checkpoint" / "step-1"
+    files = sorted(p.name for p in step.glob("*.distcp"))
+    assert files == [f"__0_{i}.distcp" for i in range(io_threads())], files
+    assert mgr.verify(step) == []
+    model2, opt2, sched2, counter2 = _setup(seed=1)
+    assert _manager(tmp_path, model2, opt2, sched2, counter2, interval=1).load() == 1
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.state.values(), opt2.state.values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"])
+
+
 def test_layout_is_torchtitans(tmp_path):
     model, opt, sched, counter = _setup()
     mgr = _manager(tmp_path, model, opt, sched, counter, interval=1)
