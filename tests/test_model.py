@@ -99,7 +99,7 @@ def test_unknown_names_list_known_ones():
     assert "8B" in flavors("llama3") and "0.6B" in flavors("qwen3")
     with pytest.raises(ValueError, match="known models: deepseek_v3, llama3, qwen3, qwen3_moe"):
         build_model("gpt9", "x")
-    with pytest.raises(ValueError, match="known flavors: debugmodel, 1B"):
+    with pytest.raises(ValueError, match="known flavors: debugmodel, 200M, 1B"):
         build_model("llama3", "7B")
     with pytest.raises(ValueError, match=r"known flavors: debugmodel, 0\.6B"):
         build_model("qwen3", "7B")
