@@ -3,11 +3,15 @@ DCP's own reader at any layout, and checksums verified in the same pass."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader
 
+from dcpkit import dist, safe_pickle
+from dcpkit.engine.load import checksum_share
+from dcpkit.formats import torchfile
 from dcpkit.formats.dcp_reader import DirectFileSystemReader
 from dcpkit.safe_pickle import load_metadata, safe_load_planner
 
@@ -68,7 +72,10 @@ def _checksums(folder):
     }
 
 
-def test_checksums_verified_in_the_same_pass(tmp_path):
+@pytest.mark.parametrize("block", [1 << 20, 4096 + 8])
+def test_checksums_verified_in_the_same_pass(tmp_path, monkeypatch, block):
+    # The tensors' bytes are hashed a block at a time as they land (one block, and many).
+    monkeypatch.setattr(torchfile, "_HASH_BLOCK", block)
     g = torch.Generator().manual_seed(1)
     state = {f"w{i}": torch.randn(256, 64, generator=g) for i in range(6)}
     state["step"] = 5  # a byte record between the tensors
@@ -94,3 +101,51 @@ def test_checksums_verified_in_the_same_pass(tmp_path):
     assert [str(p) for p in bad.problems] == [
         f"{data.name}: checksum mismatch: the file's bytes changed after it was written"
     ]
+
+
+def test_repeated_values_are_parsed_once_and_mutable_ones_never_shared(tmp_path, monkeypatch):
+    """An optimizer's hyperparameters, stored once per parameter, parse once per distinct value;
+    a list or dict value is parsed for each key (each gets its own object)."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = {"optim": get_optimizer_state_dict(model, opt), "a": [1, 2], "b": [1, 2]}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    calls = []
+    real = safe_pickle.load_value
+    monkeypatch.setattr(safe_pickle, "load_value", lambda d, w: calls.append(w) or real(d, w))
+    template = {"optim": get_optimizer_state_dict(model, opt), "a": None, "b": None}
+    _load(tmp_path, DirectFileSystemReader(tmp_path), template)
+    groups = [k for k in template["optim"]["param_groups"][0] if k != "params"]
+    stored = 12 * len(groups) + 2  # per parameter, each hyperparameter; and the two lists
+    assert len(calls) < stored / 4, (len(calls), stored)
+    loaded = template["optim"]["param_groups"][0]
+    assert {k: loaded[k] for k in groups} == {k: opt.param_groups[0][k] for k in groups}
+    assert template["a"] == template["b"] == [1, 2] and template["a"] is not template["b"]
+    assert sum("value a" in c or "value b" in c for c in calls) == 2
+
+
+def test_each_rank_verifies_the_files_it_wrote(tmp_path, monkeypatch):
+    """At a resume on the same layout, rank R checksums rank R's files (the ones it reads, so
+    hashed in the same pass); at another world size the files are dealt in turn."""
+    files = ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp", ".metadata"]
+
+    class Store:
+        def read_manifest(self, name):
+            return {"files": {f: {"xxh3_64": f"h{i}"} for i, f in enumerate(files)}}, None
+
+    shares = {}
+    for world in (2, 3):
+        monkeypatch.setattr(dist, "world_size", lambda w=world: w)
+        for rank in range(world):
+            monkeypatch.setattr(dist, "rank", lambda r=rank: r)
+            shares[world, rank] = sorted(checksum_share(Store(), "step-1"))
+    assert shares[2, 0] == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    assert shares[2, 1] == ["__1_0.distcp", "__1_1.distcp"]
+    for world in (2, 3):  # every file verified once
+        dealt = sorted(f for r in range(world) for f in shares[world, r])
+        assert dealt == sorted(files)
+    assert [len(shares[3, r]) for r in range(3)] == [2, 2, 1]

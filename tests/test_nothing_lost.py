@@ -179,3 +179,18 @@ def test_user_states_are_not_counted_as_the_model(tmp_path):
     fresh = torch.nn.Linear(4, 4)
     fresh.load_state_dict(torch.load(out, weights_only=True), strict=True)
     assert torch.equal(fresh.weight, model.weight)
+
+
+@pytest.mark.dist
+def test_a_load_failing_on_one_rank_fails_on_every_rank(tmp_path):
+    """Each rank plans and reads its own part of a load; one rank's failure still stops all,
+    with that rank's reason, and no rank is left waiting."""
+    proc = run_script(2, "load_failures.py", str(tmp_path / "corrupt"), "corrupt")
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "LOAD")))
+    assert len(lines) == 2 and all(line.startswith("FAILED") for line in lines), proc.stdout
+    assert all("failed verification: __1_0.distcp: checksum mismatch" in line for line in lines)
+    proc = run_script(2, "load_failures.py", str(tmp_path / "cut"), "truncated")
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "LOAD")))
+    assert len(lines) == 2 and all(line.startswith("FAILED") for line in lines), proc.stdout
+    assert all("__1_0.distcp" in line and "it is truncated" in line for line in lines)
+    assert lines[0].startswith("FAILED rank 0") and lines[0].endswith("(rank 1)")

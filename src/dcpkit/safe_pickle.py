@@ -222,33 +222,63 @@ def load_legacy_rng(blob: bytes, where: str) -> dict[str, Any]:
 
 
 def safe_reader(base: type) -> type:
-    """A DCP ``StorageReader`` class like ``base`` whose ``read_metadata`` runs no code."""
+    """A DCP ``StorageReader`` class like ``base`` whose ``read_metadata`` runs no code. A reader
+    parses its ``.metadata`` once: the caller's look at what a checkpoint holds and DCP's load
+    through the same reader share it."""
 
     class SafeReader(base):  # type: ignore[misc, valid-type]
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
+            cached = self.__dict__.get("_safe_metadata")
+            if cached is not None and cached.storage_meta.load_id == self.load_id:
+                return cached
             path = self.fs.concat_path(self.path, ".metadata")
             with self.fs.create_stream(path, "rb") as f:
                 metadata = load_metadata(f, str(path))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
+            self._safe_metadata = metadata
             return metadata
 
     SafeReader.__name__ = SafeReader.__qualname__ = f"Safe{base.__name__}"
     return SafeReader
 
 
+_UNSEEN = object()
+
+
+def _immutable(value: Any) -> bool:
+    """Whether ``value`` can be shared: None, bools, numbers, strings, bytes, tuples of those."""
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+        return True
+    return type(value) is tuple and all(_immutable(v) for v in value)
+
+
 def safe_load_planner() -> Any:
-    """DCP's default load planner, reading non-tensor values with ``weights_only=True``."""
+    """DCP's default load planner, reading non-tensor values with ``weights_only=True``.
+
+    An optimizer's state holds its hyperparameters once per parameter (lr, betas, eps, ... : a
+    dozen values for each), as that many byte-identical ``torch.save`` archives: a value parsed
+    once is reused for the same bytes when it is immutable (numbers, strings, tuples of them),
+    so a load parses a few dozen archives instead of thousands."""
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class SafeLoadPlanner(DefaultLoadPlanner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parsed: dict[bytes, Any] = {}
+
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             fqn = read_item.dest_index.fqn
-            loaded = load_value(value, f"the checkpoint's value {fqn}")
+            data = value.getvalue() if isinstance(value, io.BytesIO) else value.read()
+            loaded = self.parsed.get(data, _UNSEEN)
+            if loaded is _UNSEEN:
+                loaded = load_value(data, f"the checkpoint's value {fqn}")
+                if _immutable(loaded):
+                    self.parsed[data] = loaded
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], loaded)
             else:

@@ -16,14 +16,8 @@ import torch
 from dcpkit.convert.common import DEFAULT_BUDGET, output, progress, row_blocks
 from dcpkit.convert.hf import ConversionResult
 from dcpkit.formats.dcp import DCPCheckpoint, meta_tensor, nest, write_dcp
-from dcpkit.formats.torchfile import (
-    TensorRef,
-    TensorSpec,
-    TorchSaveFile,
-    TorchSaveWriter,
-    UnsupportedContent,
-    walk_refs,
-)
+from dcpkit.formats.torchfile import TensorRef, TorchSaveFile, UnsupportedContent, walk_refs
+from dcpkit.formats.torchfile_write import TensorSpec, TorchSaveWriter
 from dcpkit.layout import MODEL, is_model_key
 from dcpkit.manifest import build_manifest
 from dcpkit.storage import open_checkpoint

@@ -5,6 +5,7 @@ first, falling back to the newest older step that is when ``fallback_on_corrupti
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from dcpkit.manifest import CHECKSUM_ALGORITHM
 from dcpkit.storage import StoreError, open_location
 
 logger = logging.getLogger(__name__)
+
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 @dataclass
@@ -96,11 +99,19 @@ def _plan_initial_load(config: Any) -> LoadPlan:
 
 def checksum_share(store: Any, name: str) -> dict[str, str] | None:
     """The files of checkpoint ``name`` whose checksums this rank verifies (every rank a share),
-    with their expected xxh3-64; None without a manifest."""
+    with their expected xxh3-64; None without a manifest. Saved by as many ranks as load it,
+    rank R verifies the files rank R wrote (``__R_I.distcp``): at a resume on the same layout
+    those are the files it reads, hashed in the same pass. Other files, and every file at
+    another world size, are dealt in turn."""
     manifest, _ = store.read_manifest(name)
     if manifest is None:
         return None
-    mine = sorted(manifest["files"])[dist.rank() :: dist.world_size()]
+    world, rank = dist.world_size(), dist.rank()
+    owned = {f: int(m.group(1)) for f in manifest["files"] if (m := _RANK_FILE.match(f))}
+    if set(owned.values()) != set(range(world)):
+        owned = {}
+    others = sorted(f for f in manifest["files"] if f not in owned)
+    mine = [f for f, r in owned.items() if r == rank] + others[rank::world]
     return {
         n: e[CHECKSUM_ALGORITHM]
         for n in mine

@@ -79,8 +79,9 @@ def restore(
     unknown = format_problem(manifest) if manifest is not None else None
     if unknown is not None:
         raise CheckpointError(f"{location}: {unknown}")
+    reader = dcp_reader(store, name, checksums)
     try:
-        metadata = dcp_reader(store, name).read_metadata()
+        metadata = reader.read_metadata()
     except FileNotFoundError:
         raise CheckpointError(f"{location} is not a checkpoint: it has no {METADATA}") from None
     except UnsafeCheckpoint as e:
@@ -131,24 +132,7 @@ def restore(
     elif want_rng:
         why = "a model-only save" if (manifest or {}).get("model_only") else "not written by dcpkit"
         logger.warning("checkpoint: %s holds no RNG state (%s); RNG starts fresh", location, why)
-    reader = dcp_reader(store, name, checksums)
-    try:
-        with dist.quiet_single_process():
-            dcp.load(
-                template,
-                storage_reader=reader,
-                planner=safe_load_planner(),
-                no_dist=own_rank or not dist.is_dist(),
-            )
-    except CheckpointException as e:  # a BaseException, wrapping what a rank raised
-        raise CheckpointError(f"{location}: {first_failure(e)}") from None
-    except UnsafeCheckpoint as e:
-        raise CheckpointError(f"{location}: {e}") from None
-    if checksums is not None:
-        problems = getattr(reader, "problems", [])
-        found = sorted({str(p) for part in dist.all_gather_object(problems) for p in part})
-        if found:
-            raise FailedVerification(location, found)
+    _load(template, reader, location, gather=not own_rank and dist.is_dist())
     model.load_state_dict({k: template[k] for k in model_sd})
     for group in wanted:
         obj = states[group]
@@ -170,6 +154,32 @@ def restore(
             raise CheckpointError(str(e)) from None
         restored.append(RNG)
     return restored
+
+
+def _load(template: dict[str, Any], reader: Any, location: str, gather: bool) -> None:
+    """``dcp.load`` of ``template`` through ``reader``, each rank planning its own reads: a
+    load's global plan is every rank's local plan unchanged, so DCP's exchange of the plans
+    (pickled, gathered, scattered back) and its barrier after the reads cost time and decide
+    nothing. What DCP's collectives did besides is done here in one gather (``gather``): every
+    rank fails when one did, and checksum problems found by any rank are reported by all."""
+    error = None
+    try:
+        with dist.quiet_single_process():
+            dcp.load(template, storage_reader=reader, planner=safe_load_planner(), no_dist=True)
+    except CheckpointException as e:  # a BaseException, wrapping what the rank raised
+        error = f"{location}: {first_failure(e)}"
+    except UnsafeCheckpoint as e:
+        error = f"{location}: {e}"
+    problems = [str(p) for p in getattr(reader, "problems", [])]
+    outcomes = dist.all_gather_object((error, problems)) if gather else [(error, problems)]
+    errors = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
+    if errors:
+        rank, first = errors[0]
+        where = f" (rank {rank})" if gather and rank != dist.rank() else ""
+        raise CheckpointError(f"{first}{where}")
+    found = sorted({p for _, part in outcomes for p in part})
+    if found:
+        raise FailedVerification(location, found)
 
 
 def _missing_message(location: str, missing: list[str], manifest: Any, saved: set[str]) -> str:

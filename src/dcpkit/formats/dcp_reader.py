@@ -178,6 +178,12 @@ def _load_item(
     """Load one read item from the record at ``[offset, offset + length)`` of ``f``; with a hash
     ``h``, also feed it every byte of the record, in order (the tensor's bytes from where they
     landed)."""
+    size = os.fstat(f.fileno()).st_size
+    if offset + length > size:
+        raise ValueError(
+            f"the file ends inside this record ({size} bytes; the record ends at byte "
+            f"{offset + length}): it is truncated"
+        )
     if item.type == LoadItemType.BYTE_IO:
         f.seek(offset)
         data = f.read(length)
@@ -191,24 +197,16 @@ def _load_item(
     if archive is None:
         archive = archives[offset] = TorchSaveFile(f, offset, length)
     target = planner.resolve_tensor(item).detach()
-    span = _fill(archive, item, target)
+    _fill(archive, item, target, h, (offset, length))
     planner.commit_tensor(item, target)
-    if h is None:
-        return
-    if span is None:  # the bytes did not land in one piece: hash the record as stored
-        _hash_range(f, offset, offset + length, h)
-        return
-    start, nbytes = span
-    _hash_range(f, offset, start, h)
-    h.update(memoryview(target.reshape(-1).view(torch.uint8).numpy()))
-    _hash_range(f, start + nbytes, offset + length, h)
 
 
-def _fill(archive: TorchSaveFile, item: Any, target: torch.Tensor) -> tuple[int, int] | None:
-    """Copy the part of the stored tensor that ``item`` asks for into ``target``. Returns the
-    file span (offset, bytes) of the record's whole storage when it landed in ``target``
-    byte for byte, else None."""
-    """Copy the part of the stored tensor that ``item`` asks for into ``target``."""
+def _fill(
+    archive: TorchSaveFile, item: Any, target: torch.Tensor, h: Any, record: tuple[int, int]
+) -> None:
+    """Copy the part of the stored tensor that ``item`` asks for into ``target``; with a hash
+    ``h``, feed it every byte of the record (``record``: its offset and length in the file) in
+    file order, the tensor's bytes as they land when they land in ``target`` whole."""
     ref = archive.obj
     if not isinstance(ref, TensorRef):
         raise ValueError("the stored bytes are not a tensor")
@@ -221,21 +219,31 @@ def _fill(archive: TorchSaveFile, item: Any, target: torch.Tensor) -> tuple[int,
         )
     if list(target.shape) != lens:
         raise ValueError(f"the destination is {list(target.shape)}, the stored part {lens}")
-    if not shape:
-        target.copy_(archive.read(ref))
-        return None
-    rows = (offs[0], offs[0] + lens[0])
-    whole_rows = offs[1:] == [0] * (len(shape) - 1) and lens[1:] == shape[1:]
-    if (
-        whole_rows
+    rows = (offs[0], offs[0] + lens[0]) if shape else (0, 0)
+    direct = (
+        bool(shape)
+        and offs[1:] == [0] * (len(shape) - 1)
+        and lens[1:] == shape[1:]
         and target.device.type == "cpu"
         and target.dtype == ref.dtype
         and target.is_contiguous()
-        and archive.read_into(ref, target, rows)
-    ):
-        return archive.storage_span(ref, target.numel() * target.element_size(), rows)
-    part = archive.read(ref, rows)
-    for dim in range(1, len(shape)):
-        part = part.narrow(dim, offs[dim], lens[dim])
-    target.copy_(part)
-    return None
+        and ref.is_contiguous()
+    )
+    start, end = record[0], record[0] + record[1]
+    span = archive.storage_span(ref, target.numel() * target.element_size(), rows)
+    if direct and h is not None and span is not None:  # hashed as it lands
+        _hash_range(archive.f, start, span[0], h)
+        archive.read_into(ref, target, rows, h)
+        _hash_range(archive.f, span[0] + span[1], end, h)
+        return
+    if direct:
+        archive.read_into(ref, target, rows)
+    elif not shape:
+        target.copy_(archive.read(ref))
+    else:
+        part = archive.read(ref, rows)
+        for dim in range(1, len(shape)):
+            part = part.narrow(dim, offs[dim], lens[dim])
+        target.copy_(part)
+    if h is not None:  # the bytes did not land in one piece: hash the record as stored
+        _hash_range(archive.f, start, end, h)

@@ -5,10 +5,7 @@ one uncompressed record per storage (``data/0``, ``data/1``, ...). The reader pa
 with an allow-list unpickler that turns every tensor into a ``TensorRef`` (record, dtype, offset,
 shape, stride) without reading its bytes; bytes are read on demand, optionally only some rows.
 The same reader opens the small ``torch.save`` archives that DCP's filesystem writer embeds in a
-``.distcp`` file, through a window over the file.
-
-The writer lays out the archive with ``torch.serialization.skip_data`` (so the format is torch's
-own) and then fills each storage's bytes in place.
+``.distcp`` file, through a window over the file. Writing: ``dcpkit.formats.torchfile_write``.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ import warnings
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
@@ -237,9 +233,13 @@ class TorchSaveFile:
         view = full.as_strided(ref.shape, ref.stride, ref.storage_offset)
         return (view if rows is None else view[rows[0] : rows[1]]).clone()
 
-    def read_into(self, ref: TensorRef, out: torch.Tensor, rows: tuple[int, int]) -> bool:
+    def read_into(
+        self, ref: TensorRef, out: torch.Tensor, rows: tuple[int, int], hasher: Any = None
+    ) -> bool:
         """Rows ``[start, stop)`` of ``ref`` read straight into ``out`` (contiguous, CPU, its
-        dtype, those rows' shape); False (nothing read) when ``ref`` is not contiguous."""
+        dtype, those rows' shape); False (nothing read) when ``ref`` is not contiguous. With a
+        ``hasher``, the bytes are read a block at a time and each block is fed to it while it
+        is still in the CPU's cache (one pass over memory, not two)."""
         if not ref.is_contiguous() or not ref.shape:
             return False
         row = ref.nbytes // ref.shape[0] if ref.shape[0] else 0
@@ -249,7 +249,14 @@ class TorchSaveFile:
             raise ValueError(f"{out.numel()} elements cannot hold rows {rows} of {ref.shape}")
         self._check_span(ref.record, first, length)
         if length:
-            self._read_exactly(ref.record, first, out.reshape(-1).view(torch.uint8).numpy())
+            view = out.reshape(-1).view(torch.uint8).numpy()
+            if hasher is None:
+                self._read_exactly(ref.record, first, view)
+            else:
+                for at in range(0, length, _HASH_BLOCK):
+                    block = view[at : at + _HASH_BLOCK]
+                    self._read_exactly(ref.record, first + at, block)
+                    hasher.update(block)
         return True
 
     def storage_span(
@@ -290,94 +297,13 @@ class TorchSaveFile:
             got += n
 
 
+_HASH_BLOCK = 1 << 20  # read, then hashed while in the L2 cache
+
+
 def _from_bytes(buf: bytearray, dtype: torch.dtype) -> torch.Tensor:
     if len(buf) == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(buf, dtype=dtype)
-
-
-# --- writing -------------------------------------------------------------------------------------
-
-
-def _fake_like(shape: tuple[int, ...], dtype: torch.dtype, mode: Any) -> torch.Tensor:
-    with mode:
-        return torch.empty(shape, dtype=dtype)
-
-
-class TorchSaveWriter:
-    """Writes a ``torch.save`` file whose tensors are filled in afterwards, block by block.
-
-    ``layout`` is the object to save with ``TensorSpec`` leaves (anything else is saved as is).
-    After construction, ``write(key, tensor, rows)`` puts data in place; ``close()`` makes it
-    durable. ``torch.load`` reads the result like any other ``torch.save`` file.
-    """
-
-    def __init__(
-        self, path: Path, layout: Any, leaves: list[tuple[str, tuple[int, ...], torch.dtype]]
-    ) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.serialization import skip_data
-
-        self.path = path
-        mode = FakeTensorMode()
-        fakes: dict[str, torch.Tensor] = {}
-        for key, shape, dtype in leaves:
-            fakes[key] = _fake_like(shape, dtype, mode)
-        obj = _substitute(layout, fakes)
-        with skip_data(materialize_fake_tensors=True):
-            torch.save(obj, str(path))
-        # Read the layout back to learn where each storage's bytes went.
-        with open(path, "rb") as f:
-            reader = TorchSaveFile(f)
-            refs = _collect_refs(reader.obj)
-            offsets = dict(reader._offsets)
-        specs: dict[str, str] = {}
-        walk_specs(layout, lambda p, spec: specs.__setitem__(p, spec.key))
-        if refs.keys() != specs.keys():
-            raise RuntimeError("torch.save layout does not match the tensors to write")
-        self._where: dict[str, tuple[int, TensorRef]] = {
-            specs[p]: (offsets[ref.record], ref) for p, ref in refs.items()
-        }
-        self.f = open(path, "r+b")  # noqa: SIM115
-
-    def write(self, key: str, tensor: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
-        offset, ref = self._where[key]
-        row_bytes = ref.nbytes // ref.shape[0] if ref.shape and ref.shape[0] else 0
-        start = offset + (rows[0] * row_bytes if rows else 0)
-        data = tensor.to(ref.dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
-        self.f.seek(start)
-        self.f.write(memoryview(data))
-
-    def close(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A placeholder for a tensor in the layout given to ``TorchSaveWriter``."""
-
-    key: str
-
-
-def _substitute(obj: Any, fakes: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, TensorSpec):
-        return fakes[obj.key]
-    if isinstance(obj, dict):
-        return {k: _substitute(v, fakes) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_substitute(v, fakes) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_substitute(v, fakes) for v in obj)
-    return obj
-
-
-def _collect_refs(obj: Any, prefix: str = "") -> dict[str, TensorRef]:
-    """Flattened ``{dotted.path: TensorRef}`` of a loaded layout, in pickle order."""
-    out: dict[str, TensorRef] = {}
-    walk_refs(obj, lambda path, ref: out.__setitem__(path, ref), prefix)
-    return out
 
 
 def _walk(obj: Any, leaf_type: type, fn: Callable[[str, Any], None], prefix: str) -> None:
@@ -394,7 +320,3 @@ def _walk(obj: Any, leaf_type: type, fn: Callable[[str, Any], None], prefix: str
 def walk_refs(obj: Any, fn: Callable[[str, TensorRef], None], prefix: str = "") -> None:
     """Call ``fn(dotted_path, ref)`` for every tensor of a parsed archive, in pickle order."""
     _walk(obj, TensorRef, fn, prefix)
-
-
-def walk_specs(obj: Any, fn: Callable[[str, TensorSpec], None]) -> None:
-    _walk(obj, TensorSpec, fn, "")

@@ -1,0 +1,55 @@
+"""Under torchrun (2 ranks): a load that fails on one rank only fails on every rank, with the
+failing rank's reason, and no rank waits for the others.
+
+load_failures.py FOLDER corrupt    # a byte of rank 1's file flipped; verify_on_load
+load_failures.py FOLDER truncated  # rank 1's file cut short; no verification
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as torch_dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager, dist
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    fully_shard(net, mesh=init_device_mesh("cpu", (dist.world_size(),)))
+    return net
+
+
+def main() -> None:
+    folder, mode = sys.argv[1], sys.argv[2]
+    torch_dist.init_process_group("gloo")
+    config = CheckpointConfig(enable=True, folder=folder, interval=1, verify_on_load=True)
+    CheckpointManager(config, ".", model()).save(1, force=True)
+    dist.barrier()
+    rank1 = os.path.join(folder, "step-1", "__1_0.distcp")
+    if dist.rank() == 0:
+        with open(rank1, "rb") as f:
+            data = bytearray(f.read())
+        if mode == "corrupt":
+            data[-2000] ^= 0xFF  # inside the last tensor's bytes
+        else:
+            data = data[: len(data) // 2]
+        with open(rank1, "wb") as f:
+            f.write(data)
+    dist.barrier()
+    if mode == "truncated":
+        config = CheckpointConfig(enable=True, folder=folder, interval=1, verify_on_load=False)
+    try:
+        CheckpointManager(config, ".", model()).load()
+        print(f"LOADED rank {dist.rank()}", flush=True)
+    except CheckpointError as e:
+        print(f"FAILED rank {dist.rank()}: {e}", flush=True)
+    dist.barrier()
+    torch_dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
