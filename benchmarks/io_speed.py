@@ -6,13 +6,14 @@ For each world size, a Llama-shaped model + AdamW state of about ``--gb`` GiB is
 over the ranks (torchrun, gloo). Everything timed goes through ``CheckpointManager``'s public
 API, slowest rank, all ranks starting together:
 - sync save (``save()`` of a full checkpoint, durable and published) against a raw write of each
-  rank's state bytes into one file per rank with one fsync;
+  rank's state bytes with as many threads as the checkpoint writer has, a file each, each
+  fsynced;
 - load (``load()`` of a manager, as at a resume) with ``verify_on_load`` off and on, against a raw
   parallel read of the checkpoint's files into memory (the same bytes, the same threads per
-  rank, each rank its share of the files) - with the page cache warm, and dropped (every file
-  evicted with ``posix_fadvise``) before each cold read; and, beside it, what a loop without
-  dcpkit does: PyTorch's ``dcp.load`` (its ``FileSystemReader``) + ``set_state_dict`` of the
-  same state, saved by ``dcp.save``.
+  rank, each a contiguous byte range of the rank's files) - with the page cache warm, and
+  dropped (every file evicted with ``posix_fadvise``) before each cold read; and, beside it,
+  what a loop without dcpkit does: PyTorch's ``dcp.load`` (its ``FileSystemReader``) +
+  ``set_state_dict`` of the same state, saved by ``dcp.save``.
 Medians over ``--reps`` runs.
 """
 
@@ -35,37 +36,73 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _raw_write(tensors: list[torch.Tensor], path: Path) -> None:
-    with open(path, "wb") as f:
-        for t in tensors:
-            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
+def _raw_write(tensors: list[torch.Tensor], path: Path, threads: int = 1) -> list[Path]:
+    """Write the bytes of ``tensors`` as ``threads`` files written in parallel (``path``.0, ...;
+    the tensor list cut into byte-balanced runs, as the checkpoint writer cuts a large share),
+    each fsynced. Returns the files."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    runs: list[list[torch.Tensor]] = [[]]
+    acc = 0
+    for t in tensors:
+        if runs[-1] and acc >= total / threads * len(runs) and len(runs) < threads:
+            runs.append([])
+        runs[-1].append(t)
+        acc += t.numel() * t.element_size()
+    files = [path.with_name(f"{path.name}.{i}") for i in range(len(runs))]
+
+    def write(i: int) -> None:
+        with open(files[i], "wb") as f:
+            for t in runs[i]:
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        list(pool.map(write, range(len(runs))))
+    return files
+
+
+def _contiguous_ranges(files: list[Path], threads: int) -> list[list[tuple[Path, int, int]]]:
+    """``files`` as one stream cut into ``threads`` contiguous byte ranges ``(file, start,
+    bytes)``: each thread reads its files front to back, as the checkpoint reader does."""
+    sizes = [p.stat().st_size for p in files]
+    share = max(1, -(-sum(sizes) // threads))
+    ranges: list[list[tuple[Path, int, int]]] = [[]]
+    left = share
+    for path, size in zip(files, sizes):
+        at = 0
+        while at < size:
+            n = min(size - at, left)
+            ranges[-1].append((path, at, n))
+            at, left = at + n, left - n
+            if left == 0:
+                ranges.append([])
+                left = share
+    return [r for r in ranges if r]
 
 
 def _raw_read(files: list[Path], threads: int, into: torch.Tensor) -> None:
-    """Read ``files`` into ``into`` (preallocated, as large as they are), in ``threads``
-    byte-balanced pieces."""
-    pieces, at = [], 0
-    for path in files:
-        size = path.stat().st_size
-        step = max(1, -(-size // threads))
-        for start in range(0, size, step):
-            n = min(step, size - start)
-            pieces.append((path, start, at, n))
-            at += n
+    """Read ``files`` into ``into`` (preallocated, as large as they are) with ``threads``
+    threads, each a contiguous byte range."""
     view = into.numpy()
+    ranges: list[list[tuple[Path, int, int, int]]] = []
+    at = 0
+    for pieces in _contiguous_ranges(files, threads):
+        ranges.append([])
+        for path, start, n in pieces:
+            ranges[-1].append((path, start, n, at))
+            at += n
 
-    def read(piece) -> None:  # type: ignore[no-untyped-def]
-        path, start, dest, n = piece
-        with open(path, "rb", buffering=0) as f:
-            f.seek(start)
-            mv, got = memoryview(view[dest : dest + n]), 0
-            while got < n:
-                got += f.readinto(mv[got:])
+    def read(pieces: list[tuple[Path, int, int, int]]) -> None:
+        for path, start, n, dest in pieces:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(start)
+                mv, got = memoryview(view[dest : dest + n]), 0
+                while got < n:
+                    got += f.readinto(mv[got:])
 
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(read, pieces))
+        list(pool.map(read, ranges))
 
 
 def worker(gib: float, work: Path, reps: int) -> None:
@@ -84,15 +121,17 @@ def worker(gib: float, work: Path, reps: int) -> None:
     rank_bytes = sum(t.numel() * t.element_size() for t in tensors)
     out: dict[str, list[float]] = {}
 
-    def timed(key: str, fn) -> None:  # type: ignore[no-untyped-def]
+    def timed(key: str, fn):  # type: ignore[no-untyped-def]
         td.barrier()
         t0 = time.perf_counter()
-        fn()
+        result = fn()
         td.barrier()
         out.setdefault(key, []).append(time.perf_counter() - t0)
+        return result
 
     folder = work / "run"
     ckpt = folder / "checkpoint" / "step-1"
+    threads = io_threads()
     for _ in range(reps):
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
@@ -102,11 +141,11 @@ def worker(gib: float, work: Path, reps: int) -> None:
         timed("save_s", lambda: mgr.save(1, force=True))  # noqa: B023
         mgr.close()
         raw = work / f"raw-{rank}.bin"
-        timed("raw_write_fsync_s", lambda: _raw_write(tensors, raw))  # noqa: B023
-        raw.unlink()
+        for path in timed("raw_write_fsync_s", lambda: _raw_write(tensors, raw, threads)):  # noqa: B023
+            path.unlink()
     files = sorted(p for p in ckpt.iterdir() if p.is_file())
-    mine = files[rank::world]
-    threads = io_threads()
+    own = [p for p in files if p.name.startswith(f"__{rank}_")]  # the files this rank wrote
+    mine = own if world > 1 and own else files[rank::world]
     into = torch.empty(sum(p.stat().st_size for p in mine), dtype=torch.uint8)
     into.fill_(0)
 

@@ -53,19 +53,7 @@ def _raw_read(files: list[Path], threads: int, block: int = 64 << 20) -> int:
     """Read ``files`` as one stream cut into ``threads`` contiguous byte ranges (each thread
     reads its files front to back, as the checkpoint reader does), into one reused buffer per
     thread."""
-    sizes = [p.stat().st_size for p in files]
-    share = max(1, -(-sum(sizes) // threads))
-    ranges: list[list[tuple[Path, int, int]]] = [[]]
-    left = share
-    for path, size in zip(files, sizes):
-        at = 0
-        while at < size:
-            n = min(size - at, left)
-            ranges[-1].append((path, at, n))
-            at, left = at + n, left - n
-            if left == 0:
-                ranges.append([])
-                left = share
+    from io_speed import _contiguous_ranges
 
     def read(pieces: list[tuple[Path, int, int]]) -> int:
         buf = bytearray(block)
@@ -83,7 +71,7 @@ def _raw_read(files: list[Path], threads: int, block: int = 64 << 20) -> int:
         return total
 
     with ThreadPoolExecutor(threads) as pool:
-        return sum(pool.map(read, [r for r in ranges if r]))
+        return sum(pool.map(read, _contiguous_ranges(files, threads)))
 
 
 def worker(src: Path, work: Path, flavor: str, dtype_name: str, reps: int) -> None:
@@ -134,6 +122,7 @@ def worker(src: Path, work: Path, flavor: str, dtype_name: str, reps: int) -> No
     cfg = CheckpointConfig(enable=True, folder=str(work / "out"), interval=1, keep_latest_k=0)
     mgr = CheckpointManager(cfg, work, model, save_rng=False)
     raw = work / f"raw-{rank}.bin"
+    written: list[Path] = []  # the raw write's files
 
     def load() -> None:
         mgr.load_from(src, model_only=True)
@@ -141,11 +130,14 @@ def worker(src: Path, work: Path, flavor: str, dtype_name: str, reps: int) -> No
     def save() -> None:
         mgr.save(len(runs.get("save_s", [])) + 1, force=True)
 
+    def raw_write() -> None:
+        written.extend(_raw_write(tensors, raw, threads))
+
     # Alternating which goes first, so that neither always meets the disk the other left.
     for rep in range(reps):
         for pair in (
             [("load_s", load), ("raw_read_s", lambda: _raw_read(mine, threads))],
-            [("save_s", save), ("raw_write_fsync_s", lambda: _raw_write(tensors, raw))],
+            [("save_s", save), ("raw_write_fsync_s", raw_write)],
         ):
             for key, fn in pair if rep % 2 == 0 else pair[::-1]:
                 if rank == 0:
@@ -161,7 +153,9 @@ def worker(src: Path, work: Path, flavor: str, dtype_name: str, reps: int) -> No
                     if rank == 0:
                         shutil.rmtree(saved)  # room for what comes next
                 elif key == "raw_write_fsync_s":
-                    raw.unlink()
+                    for path in written:
+                        path.unlink()
+                    written.clear()
                 td.barrier()
     mgr.close()
     out.update({k: statistics.median(v) for k, v in runs.items()})
