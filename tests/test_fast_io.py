@@ -149,3 +149,29 @@ def test_each_rank_verifies_the_files_it_wrote(tmp_path, monkeypatch):
         dealt = sorted(f for r in range(world) for f in shares[world, r])
         assert dealt == sorted(files)
     assert [len(shares[3, r]) for r in range(3)] == [2, 2, 1]
+
+
+def test_a_torch_file_without_crc32_verifies_and_a_damaged_one_does_not(tmp_path):
+    """``dcpkit verify`` of a ``torch.save`` file checks each record's CRC-32 where it has one;
+    a file saved without (``set_crc32_options(False)``) is readable and not reported."""
+    from dcpkit.formats.structure import torch_file_problems
+
+    value = {"w": torch.arange(4096, dtype=torch.float32)}
+    plain, bare = tmp_path / "plain.pt", tmp_path / "bare.pt"
+    torch.save(value, plain)
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(value, bare)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert torch_file_problems(plain) == [] and torch_file_problems(bare) == []
+    with open(bare, "rb") as f:
+        archive = torchfile.TorchSaveFile(f)
+        assert torch.equal(archive.read(archive.obj["w"]), value["w"])
+    raw = bytearray(plain.read_bytes())
+    at = raw.index(value["w"].numpy().tobytes()[4000:4016])
+    raw[at] ^= 0xFF
+    plain.write_bytes(bytes(raw))
+    assert [str(p) for p in torch_file_problems(plain)] == [
+        "plain.pt: record plain/data/0 fails its CRC-32 check"
+    ]

@@ -110,6 +110,34 @@ def test_a_large_share_is_written_as_a_file_per_thread(tmp_path, monkeypatch):
         assert torch.equal(a["exp_avg"], b["exp_avg"])
 
 
+def test_records_are_written_without_crc32_and_dcp_reads_them(tmp_path):
+    """A save's torch.save records carry no CRC-32 (the manifest's checksums cover them), torch's
+    setting is as it was after the save, and DCP's own reader loads the step."""
+    import io
+    import zipfile
+
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, sched, counter = _setup()
+    mgr = _manager(tmp_path, model, opt, sched, counter, interval=1)
+    _train(model, opt, sched, counter, 1, mgr)
+    assert torch.serialization.get_crc32_options()
+    step = tmp_path / "checkpoint" / "step-1"
+    reader = FileSystemReader(str(step))
+    crcs = set()
+    for info in reader.read_metadata().storage_data.values():
+        with open(step / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            archive = zipfile.ZipFile(io.BytesIO(f.read(info.length)))
+        crcs |= {i.CRC for i in archive.infolist() if i.file_size}
+    assert crcs == {0}
+    want = model.state_dict()
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert mgr.verify(step) == []
+
+
 def test_layout_is_torchtitans(tmp_path):
     model, opt, sched, counter = _setup()
     mgr = _manager(tmp_path, model, opt, sched, counter, interval=1)

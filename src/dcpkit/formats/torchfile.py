@@ -184,29 +184,31 @@ class TorchSaveFile:
         if pkl is None:
             raise ValueError("not a torch.save archive: no data.pkl record")
         self.prefix = pkl[: -len("data.pkl")]
-        order = (
-            self.zip.read(self.prefix + "byteorder")
-            if self.prefix + "byteorder" in names
-            else b"little"
-        )
-        if order.strip() != b"little":
-            raise ValueError("big-endian torch.save files are not supported")
-        self._offsets = {
-            info.filename: _local_data_offset(f, start, info)
-            for info in self.zip.infolist()
-            if info.filename.startswith(self.prefix + "data/")
-        }
+        # Every record is read by its stored bytes, never through zipfile, which would check a
+        # CRC-32 that torch.save may have left out (``set_crc32_options(False)``): dcpkit's
+        # checksums cover the files, and the pickle is parsed with an allow-list anyway.
+        self._offsets: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
         for info in self.zip.infolist():
-            if info.filename not in self._offsets:
+            if not info.filename.startswith(self.prefix):
                 continue
             if info.compress_type != zipfile.ZIP_STORED:
                 raise ValueError(f"compressed record {info.filename} is not supported")
-            if self._offsets[info.filename] + info.file_size > length:
+            offset = _local_data_offset(f, start, info)
+            if offset + info.file_size > length:
                 raise ValueError(f"record {info.filename} ends past the end of the file: truncated")
-            self._sizes[info.filename] = info.file_size
-        with self.zip.open(pkl) as p:
-            self.obj = _RefUnpickler(p, self.prefix, trust_pickle).load()
+            self._offsets[info.filename], self._sizes[info.filename] = offset, info.file_size
+        order_record = self.prefix + "byteorder"
+        order = self._record(order_record) if order_record in self._sizes else b"little"
+        if order.strip() != b"little":
+            raise ValueError("big-endian torch.save files are not supported")
+        self.obj = _RefUnpickler(io.BytesIO(self._record(pkl)), self.prefix, trust_pickle).load()
+        for name in [n for n in self._offsets if not n.startswith(self.prefix + "data/")]:
+            del self._offsets[name], self._sizes[name]
+
+    def _record(self, record: str) -> bytes:
+        """A whole (small) record's stored bytes."""
+        return bytes(self._read_bytes(record, 0, self._sizes[record]))
 
     def read(self, ref: TensorRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor (a fresh CPU tensor), or only rows ``[start, stop)`` of its first dim."""

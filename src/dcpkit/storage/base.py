@@ -200,20 +200,6 @@ class PendingStep(ABC):
         return sorted(p.name for p in root.iterdir() if p.is_file() and p.name != MANIFEST)
 
 
-class CrashPointWriter:
-    """Mixed into DCP's storage writers: a crash point once this rank's data is written (before
-    rank 0 has written ``.metadata``)."""
-
-    _step: int | None = None
-    _kill_pid: int | None = None
-
-    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
-        future = super().write_data(plan, planner)  # type: ignore[misc]
-        future.wait()
-        failpoints.hit("mid_write", self._step, dist.rank(), self._kill_pid)
-        return future
-
-
 class CheckpointStore(ABC):
     """A root holding checkpoints and files. Primitives per store; the rest is shared."""
 

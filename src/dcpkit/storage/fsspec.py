@@ -33,13 +33,13 @@ from dcpkit.safe_pickle import safe_reader
 from dcpkit.storage.base import (
     CheckpointStore,
     CheckpointView,
-    CrashPointWriter,
     FileStat,
     PendingStep,
     StoreError,
     local_open,
     own_files_of,
 )
+from dcpkit.storage.writer import CrashPointWriter
 
 _SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit
 _SMALL_FILE = 64 << 20  # other files up to this size are copied (metadata, configs, tokenizers)

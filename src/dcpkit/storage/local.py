@@ -32,11 +32,11 @@ from dcpkit.safe_pickle import safe_reader
 from dcpkit.storage.base import (
     CheckpointStore,
     CheckpointView,
-    CrashPointWriter,
     FileStat,
     PendingStep,
     own_files_of,
 )
+from dcpkit.storage.writer import CrashPointWriter
 
 SafeFileSystemReader = safe_reader(FileSystemReader)
 """DCP's file system reader, reading ``.metadata`` without running code."""
