@@ -299,7 +299,11 @@ class TorchSaveFile:
             got += n
 
 
-_HASH_BLOCK = 1 << 20  # read, then hashed while in the L2 cache
+_HASH_BLOCK = 4 << 20
+"""Bytes read, then hashed while still in the CPU's cache. A 1 GiB read from the page cache on
+this project's 2-core machine: 0.10 s plain, +15% hashed in 1 MiB blocks, +30% in 8 MiB, +50%
+hashed afterwards; loading 4 GiB of ~5 MiB tensors with 2 threads, block sizes from 1 MiB to
+whole tensors were within the noise (+15-25%)."""
 
 
 def _from_bytes(buf: bytearray, dtype: torch.dtype) -> torch.Tensor:
