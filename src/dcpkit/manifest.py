@@ -42,8 +42,10 @@ class Problem:
         return f"{self.file}: {self.message}" if self.file else self.message
 
 
-class _HashingStream(io.RawIOBase):
-    """A file being written, hashed (xxh3-64) as its bytes go by."""
+class HashingStream(io.RawIOBase):
+    """A file being written, hashed (xxh3-64) as its bytes go by. Writes must come in file
+    order: a seek to where the bytes hashed so far end keeps the hash; a seek elsewhere gives it
+    up (``digest()`` is then None, and the file is checksummed by reading it back)."""
 
     def __init__(self, raw: Any) -> None:
         self.raw, self.hash, self.size, self.in_order = raw, xxhash.xxh3_64(), 0, True
@@ -60,15 +62,32 @@ class _HashingStream(io.RawIOBase):
     def tell(self) -> int:
         return self.raw.tell()
 
-    def seek(self, *args: Any) -> int:
-        self.in_order = False  # the bytes hashed are no longer the file's: read it back
-        return self.raw.seek(*args)
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence != io.SEEK_SET or offset != self.size:
+            self.in_order = False  # the bytes hashed are no longer the file's
+        return self.raw.seek(offset, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        return self.raw.truncate(size)
 
     def fileno(self) -> int:
         return self.raw.fileno()
 
     def flush(self) -> None:
-        self.raw.flush()
+        if not self.raw.closed:
+            self.raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
+
+    def digest(self, file_size: int | None = None) -> tuple[str, int] | None:
+        """(xxh3-64, size) of the file, when every byte of it (``file_size`` of them, when
+        given) went by in order; else None."""
+        if not self.in_order or (file_size is not None and file_size != self.size):
+            return None
+        return self.hash.hexdigest(), self.size
 
 
 class HashingFileSystem(FileSystem):
@@ -85,10 +104,11 @@ class HashingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            hashing = _HashingStream(stream)
+            hashing = HashingStream(stream)
             yield hashing
-            if hashing.in_order:
-                self.digests[Path(path).name] = (hashing.hash.hexdigest(), hashing.size)
+            digest = hashing.digest()
+            if digest is not None:
+                self.digests[Path(path).name] = digest
 
 
 def checksum_stream(f: BinaryIO) -> str:

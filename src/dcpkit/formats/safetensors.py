@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from dcpkit.formats.base import TensorTable
 from dcpkit.layout import HF_INDEX, HF_SINGLE
+from dcpkit.manifest import HashingStream
 from dcpkit.safe_pickle import check_file_name, check_inside
 
 _DTYPE_CODES = {
@@ -242,7 +242,6 @@ class SafetensorsWriter:
         a shard written out of order is left out (its checksum is read back later)."""
         self.folder = folder
         self.digests = digests
-        self._hashing: dict[str, tuple[Any, int]] = {}  # shard -> (hash, bytes hashed so far)
         shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
         size = 0
         for name, shape, dtype in entries:
@@ -273,10 +272,9 @@ class SafetensorsWriter:
             raw += b" " * (-len(raw) % 8)
             data_start = 8 + len(raw)
             f = open(folder / file, "w+b")  # noqa: SIM115
-            head = struct.pack("<Q", len(raw)) + raw
-            f.write(head)
             if digests is not None:
-                self._hashing[file] = (xxhash.xxh3_64(head), len(head))
+                f = HashingStream(f)
+            f.write(struct.pack("<Q", len(raw)) + raw)
             f.truncate(data_start + offset)
             self.files[file] = f
             for name, shape, dtype, n in shard:
@@ -293,21 +291,16 @@ class SafetensorsWriter:
         at = e.start + (rows[0] * e.row_bytes if rows else 0)
         f.seek(at)  # type: ignore[attr-defined]
         f.write(memoryview(data))  # type: ignore[attr-defined]
-        hashing = self._hashing.get(e.file)
-        if hashing is not None and hashing[1] == at:
-            hashing[0].update(memoryview(data))
-            self._hashing[e.file] = (hashing[0], at + data.nbytes)
-        elif hashing is not None:  # out of order: this shard is checksummed by reading it
-            del self._hashing[e.file]
 
     def close(self) -> None:
-        for f in self.files.values():
+        for file, f in self.files.items():
             f.flush()  # type: ignore[attr-defined]
             os.fsync(f.fileno())  # type: ignore[attr-defined]
             f.close()  # type: ignore[attr-defined]
-        for file, (h, hashed) in self._hashing.items():
-            if self.digests is not None and hashed == (self.folder / file).stat().st_size:
-                self.digests[file] = (h.hexdigest(), hashed)
+            if isinstance(f, HashingStream) and self.digests is not None:
+                digest = f.digest((self.folder / file).stat().st_size)
+                if digest is not None:  # else written out of order: checksummed by reading it
+                    self.digests[file] = digest
         index = {
             "metadata": {"total_size": self.total_size},
             "weight_map": {name: e.file for name, e in sorted(self.entries.items())},
