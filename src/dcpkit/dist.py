@@ -1,8 +1,10 @@
-"""Small helpers over ``torch.distributed`` that also work without a process group."""
+"""Small helpers over ``torch.distributed`` that also work without a process group, and over
+the process itself (threads for IO, the garbage collector)."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import warnings
 from collections.abc import Iterator
@@ -69,3 +71,16 @@ def quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector off for a block (as it was before, after): a save or a load
+    allocates many objects with no cycles, and each full collection would walk the whole heap."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -24,7 +24,6 @@ from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.engine import load as load_plan
 from dcpkit.engine.lease import check_free, check_lease, take_lease
 from dcpkit.engine.memory_tier import MemoryTier
-from dcpkit.engine.planning import paused_gc
 from dcpkit.engine.policy import config_problem, should_save
 from dcpkit.engine.preempt import Preemption
 from dcpkit.engine.publish import StepInfo, write_and_publish
@@ -144,7 +143,7 @@ class CheckpointManager:
         store, name = open_location(path, self.config.storage_options)
         return self._restore(store, name, model_only)
 
-    @paused_gc()
+    @dist.paused_gc()
     def _restore(
         self,
         store: Any,
@@ -196,7 +195,7 @@ class CheckpointManager:
         with ``EXIT_PREEMPTED``."""
         return self._preempt is not None and self._preempt.agreed()
 
-    @paused_gc()
+    @dist.paused_gc()
     def save(self, step: int, last_step: bool = False, force: bool = False) -> bool:
         """Save at ``step`` if the policy says so (or ``force``). Returns whether it saved."""
         if self._saver is None or not self.should_save(step, last_step, force):

@@ -23,15 +23,12 @@ every time, as before, and the count says so.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import heapq
 import inspect
 import itertools
 import math
 from collections import ChainMap, Counter
-from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
@@ -45,6 +42,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+
+from dcpkit.dist import paused_gc
 
 CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
 """Whether this torch's DCP can cache save plans."""
@@ -119,19 +118,6 @@ class CachingPlanner(DefaultSavePlanner):
             return SavePlan([], usable=False)
         self._pending_local_plan = plan  # promoted to the cache once the save's plan succeeded
         return plan
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """The cyclic garbage collector off for a block (as it was before, after): a save or a load
-    allocates many objects with no cycles, and each full collection would walk the whole heap."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
