@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from _launch import read_result  # this script's folder is on sys.path
 
 MODES = ["disabled", "async", "async_with_pinned_mem", "torch_async_save"]
 ASYNC_MODES = MODES[1:]
@@ -292,11 +293,11 @@ def _spawn(worker: str, opts: argparse.Namespace, work: Path, extra: list[str] =
         capture_output=True,
         text=True,
     )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
+    result = read_result(proc.stdout)
+    if proc.returncode != 0 or result is None:
         print(f"{worker}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
         return {"mode": worker, "error": proc.stderr[-3000:]}
-    return json.loads(line[len("RESULT ") :])
+    return result
 
 
 def main() -> int:

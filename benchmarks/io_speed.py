@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _launch import report, run_ranks
 
 
 def _raw_write(tensors: list[torch.Tensor], path: Path, threads: int = 1) -> list[Path]:
@@ -200,10 +201,7 @@ def worker(gib: float, work: Path, reps: int) -> None:
     ckpt_bytes = sum(p.stat().st_size for p in files)
     result = {k: statistics.median(v) for k, v in out.items()}
     result.update(rank_bytes=rank_bytes, checkpoint_bytes=ckpt_bytes, threads=threads)
-    gathered: list = [None] * world
-    td.all_gather_object(gathered, result)
-    if rank == 0:
-        print("RESULT " + json.dumps(gathered), flush=True)
+    report(result)
     td.destroy_process_group()
 
 
@@ -240,22 +238,18 @@ def main() -> int:
     if opts.worker:
         worker(opts.gb, opts.worker, opts.reps)
         return 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
     results = {}
     for nproc in opts.nproc:
         work = Path(tempfile.mkdtemp(prefix="dcpkit-io-", dir=opts.workdir))
         try:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-            cmd += [f"--nproc-per-node={nproc}", __file__, "--gb", str(opts.gb)]
-            cmd += ["--reps", str(opts.reps), "--worker", str(work)]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if proc.returncode != 0 or line is None:
-                print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
-                return 1
+            args = ["--gb", str(opts.gb), "--reps", str(opts.reps), "--worker", str(work)]
+            job = run_ranks(__file__, nproc, args)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        ranks = json.loads(line[len("RESULT ") :])
+        if job.returncode != 0 or job.ranks is None:
+            print(job.tail, file=sys.stderr)
+            return 1
+        ranks = job.ranks
         slowest = {k: max(r[k] for r in ranks) for k in ranks[0] if k.endswith("_s")}
         size = ranks[0]["checkpoint_bytes"]
         state = sum(r["rank_bytes"] for r in ranks)

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _launch import report, run_ranks
 
 DTYPES = ("bfloat16", "float32")
 
@@ -160,10 +160,7 @@ def worker(src: Path, work: Path, flavor: str, dtype_name: str, reps: int) -> No
     mgr.close()
     out.update({k: statistics.median(v) for k, v in runs.items()})
     out["threads"] = threads
-    gathered: list = [None] * world
-    td.all_gather_object(gathered, out)
-    if rank == 0:
-        print("RESULT " + json.dumps(gathered), flush=True)
+    report(out)
     td.destroy_process_group()
 
 
@@ -204,24 +201,19 @@ def main() -> int:
             f"{len(list(src.iterdir()))} files, written in {time.perf_counter() - t0:.0f}s",
             flush=True,
         )
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
         for nproc in opts.nproc:
-            job = work / f"job-{nproc}"
-            job.mkdir()
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-            cmd += [f"--nproc-per-node={nproc}", __file__, "--flavor", opts.flavor]
-            cmd += ["--dtype", opts.dtype, "--reps", str(opts.reps)]
-            cmd += ["--worker", str(src), str(job)]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            shutil.rmtree(job, ignore_errors=True)
-            if line is None:
-                print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+            scratch = work / f"job-{nproc}"
+            scratch.mkdir()
+            args = ["--flavor", opts.flavor, "--dtype", opts.dtype, "--reps", str(opts.reps)]
+            job = run_ranks(__file__, nproc, [*args, "--worker", str(src), str(scratch)])
+            shutil.rmtree(scratch, ignore_errors=True)
+            if job.ranks is None:
+                print(job.tail, file=sys.stderr)
                 return 1
-            if proc.returncode != 0:  # every rank had finished and reported: said, not hidden
-                print(f"note: the {nproc}-rank job exited with {proc.returncode} after its results")
-                results.setdefault("exit_codes", {})[nproc] = proc.returncode
-            ranks = json.loads(line[len("RESULT ") :])
+            if job.returncode != 0:  # every rank had finished and reported: said, not hidden
+                print(f"note: the {nproc}-rank job exited with {job.returncode} after its results")
+                results.setdefault("exit_codes", {})[nproc] = job.returncode
+            ranks = job.ranks
             if not all(r["loaded_nonzero"] for r in ranks):
                 print("the load left the model's first tensor zero", file=sys.stderr)
                 return 1

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from _launch import report, run_ranks  # this script's folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,10 +145,7 @@ def worker(gib: float, work: Path) -> None:
         out["s3_save_s"] = time.perf_counter() - start
         s3.close()
         out["s3_load_s"], _ = timed_load("s3://bench/run", local=False, **opts)
-    results = [None] * td.get_world_size()
-    td.all_gather_object(results, out)
-    if rank == 0:
-        print("RESULT " + json.dumps(results), flush=True)
+    report(out)
     td.destroy_process_group()
 
 
@@ -199,24 +197,11 @@ def main() -> int:
     if not opts.no_s3:
         server, env["BENCH_S3_ENDPOINT"] = _moto()
     try:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={opts.nproc}",
-            __file__,
-            "--gb",
-            str(opts.gb),
-            "--worker",
-            str(work),
-        ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+        job = run_ranks(__file__, opts.nproc, ["--gb", str(opts.gb), "--worker", str(work)], env)
+        if job.returncode != 0 or job.ranks is None:
+            print(job.tail, file=sys.stderr)
             return 1
-        ranks = json.loads(line[len("RESULT ") :])
+        ranks = job.ranks
     finally:
         if server is not None:
             server.terminate()

@@ -1,0 +1,49 @@
+"""What the multi-rank benchmarks share: each rank's result gathered and printed by rank 0 as one
+``RESULT`` line, and the launcher that runs a script under torchrun and reads that line back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+PREFIX = "RESULT "
+
+
+def report(result: Any) -> None:
+    """Inside a torchrun job: gather every rank's ``result``; rank 0 prints them as one line."""
+    import torch.distributed as td
+
+    gathered: list[Any] = [None] * td.get_world_size()
+    td.all_gather_object(gathered, result)
+    if td.get_rank() == 0:
+        print(PREFIX + json.dumps(gathered), flush=True)
+
+
+def read_result(stdout: str) -> Any | None:
+    """The value a job printed on its ``RESULT`` line, or None."""
+    line = next((x for x in stdout.splitlines() if x.startswith(PREFIX)), None)
+    return None if line is None else json.loads(line[len(PREFIX) :])
+
+
+@dataclass
+class Job:
+    ranks: list[dict] | None
+    """Each rank's result, or None when the job reported none."""
+    returncode: int
+    tail: str
+    """The end of its output, to show when it failed."""
+
+
+def run_ranks(script: str, nproc: int, args: list[str], env: dict[str, str] | None = None) -> Job:
+    """``script args`` under torchrun with ``nproc`` ranks on this machine (one thread per
+    rank for torch's own ops, torchrun's logging quiet)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={nproc}", script, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR", **(env or {})}
+    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True)
+    tail = proc.stdout[-4000:] + "\n" + proc.stderr[-4000:]
+    return Job(read_result(proc.stdout), proc.returncode, tail)
