@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -165,6 +166,14 @@ def test_conversions_checksum_what_they_write(stopped_run, tmp_path, monkeypatch
         store, name = open_location(tmp_path / out)
         report = verify_checkpoint(store, name)
         assert report.ok and report.checksummed and report.files_checked >= 2, (out, report)
+    # DCP files are written without torch.save's CRC-32 (the manifest covers them); torch's
+    # process-wide setting is back as it was.
+    import zipfile
+
+    assert torch.serialization.get_crc32_options()
+    data = next((tmp_path / "back").glob("*.distcp")).read_bytes()
+    crcs = {i.CRC for i in zipfile.ZipFile(io.BytesIO(data)).infolist() if i.file_size}
+    assert crcs == {0}
 
 
 def test_newer_torchtitan_dialect_exports_the_same(stopped_run, tmp_path):

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from dcpkit.dist import quiet_single_process
+from dcpkit.dist import quiet_single_process, records_without_crc32
 from dcpkit.errors import first_failure, out_of_space
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.layout import MANIFEST, METADATA, MODEL, is_model_key
@@ -357,8 +357,7 @@ def write_dcp(
     ``state`` is the (possibly nested) state dict with meta tensors standing for the real ones
     and plain values for the rest; ``fqn`` is DCP's dotted key. ``row_block[fqn]`` keeps row
     chunks a multiple of that many rows (for row-block transforms). ``digests`` receives each
-    file's checksum as it is written (name -> (xxh3-64, size)): no reading back.
-    """
+    file's checksum as it is written (name -> (xxh3-64, size)): no reading back."""
     planner = _LazySavePlanner(produce, max_chunk_bytes, on_written, row_block or {})
     with quiet_single_process():
         # One file per tensor chunk: DCP's writer keeps every tensor of a file referenced until
@@ -367,7 +366,8 @@ def write_dcp(
         if digests is not None:
             writer.fs = HashingFileSystem(digests)
         try:
-            dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+            with records_without_crc32():  # the manifest's checksums cover the bytes
+                dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as e:  # a BaseException wrapping what was raised inside
             raise out_of_space(first_failure(e), path) from None
 
