@@ -53,6 +53,10 @@ def rank_file_prefix(rank: int) -> str:
     return f"__{rank}_"
 
 
+RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+"""A data file of DCP's file system writers; group 1 is the rank that wrote it."""
+
+
 # --- state groups: TorchTitan's top-level layout (model parameters flattened at the top) --------
 
 MODEL = "model"

@@ -5,7 +5,6 @@ first, falling back to the newest older step that is when ``fallback_on_corrupti
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,13 +14,11 @@ from dcpkit.engine.policy import choose_step, fallback_steps, is_seed_step
 from dcpkit.engine.restore import FailedVerification
 from dcpkit.errors import CheckpointError
 from dcpkit.integrity import verify_checkpoint
-from dcpkit.layout import HF_FILES, HF_INDEX, HF_SINGLE, METADATA, step_name
+from dcpkit.layout import HF_FILES, HF_INDEX, HF_SINGLE, METADATA, RANK_FILE, step_name
 from dcpkit.manifest import CHECKSUM_ALGORITHM
 from dcpkit.storage import StoreError, open_location
 
 logger = logging.getLogger(__name__)
-
-_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 @dataclass
@@ -107,7 +104,7 @@ def checksum_share(store: Any, name: str) -> dict[str, str] | None:
     if manifest is None:
         return None
     world, rank = dist.world_size(), dist.rank()
-    owned = {f: int(m.group(1)) for f in manifest["files"] if (m := _RANK_FILE.match(f))}
+    owned = {f: int(m.group(1)) for f in manifest["files"] if (m := RANK_FILE.match(f))}
     if set(owned.values()) != set(range(world)):
         owned = {}
     others = sorted(f for f in manifest["files"] if f not in owned)

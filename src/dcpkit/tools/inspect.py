@@ -19,17 +19,14 @@ JSON output (``--json``), stable across versions (fields are only ever added)::
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 from dcpkit.formats.sources import DCP, open_source
 from dcpkit.integrity import verify_checkpoint
-from dcpkit.layout import NON_MODEL_GROUPS, is_model_key, parse_step
+from dcpkit.layout import NON_MODEL_GROUPS, RANK_FILE, is_model_key, parse_step
 from dcpkit.storage import open_location
 from dcpkit.units import human_bytes
-
-_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def _group(name: str, groups: frozenset[str]) -> str:
@@ -86,7 +83,7 @@ def _describe(store: Any, entry: str, p: Path, location: str, trust_pickle: bool
     if folder is not None:
         for f in sorted(folder.iterdir()):
             if f.is_file():
-                m = _RANK_FILE.match(f.name)
+                m = RANK_FILE.match(f.name)
                 files.append(
                     {
                         "name": f.name,
