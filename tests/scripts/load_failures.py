@@ -44,9 +44,12 @@ def main() -> None:
         config = CheckpointConfig(enable=True, folder=folder, interval=1, verify_on_load=False)
     try:
         CheckpointManager(config, ".", model()).load()
-        print(f"LOADED rank {dist.rank()}", flush=True)
+        outcome = f"LOADED rank {dist.rank()}"
     except CheckpointError as e:
-        print(f"FAILED rank {dist.rank()}: {e}", flush=True)
+        outcome = f"FAILED rank {dist.rank()}: {e}"
+    # One write per line: two processes' prints on one stdout could interleave.
+    sys.stdout.write(outcome + "\n")
+    sys.stdout.flush()
     dist.barrier()
     torch_dist.destroy_process_group()
 
