@@ -3,10 +3,12 @@ the process itself (threads for IO, the garbage collector, torch.save's CRC-32).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import os
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -21,8 +23,31 @@ def io_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+_group_seen = False
+
+
 def is_dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    global _group_seen
+    if dist.is_available() and dist.is_initialized():
+        _group_seen = True
+        return True
+    return False
+
+
+@atexit.register
+def _let_collective_threads_finish() -> None:
+    """At exit, give gloo's worker threads the GIL for a moment.
+
+    A gloo worker thread releases a finished collective's tensors after the caller has been
+    told it is done, and releasing a tensor Python also refers to takes the GIL. A process
+    that exits within a few milliseconds of its last collective (``all_gather_object``, or the
+    one a DCP save or load ends with) can reach interpreter finalization first: the worker
+    thread, asking for the GIL then, is ended mid-C++ and the process aborts with "terminate
+    called without an active exception" (SIGABRT) after all its work is done. The process
+    group outlives ``destroy_process_group`` when modules refer to it (FSDP's do), so its
+    threads are still there. Sleeping here, before finalization begins, lets them finish."""
+    if _group_seen:
+        time.sleep(0.05)
 
 
 def rank() -> int:
