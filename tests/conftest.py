@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -9,11 +11,13 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 import torch.distributed as torch_dist
 
+from dcpkit.cli import main as cli_main
 from dcpkit.launch import torchrun_command
 from dcpkit.train.metrics import read_run
 
@@ -69,6 +73,25 @@ def run_script(
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """The `dcpkit` command, run in this process: its `main` as the console script calls it,
+    read back as a process would be (exit status, stdout, stderr; an uncaught exception is a
+    traceback on stderr and status 1), without a Python start and torch import per call.
+    `test_the_console_script_is_a_process_like_any_other` runs the installed command."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli_main(list(args))
+        except SystemExit as e:  # argparse: usage on stderr, status 2
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except Exception:
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(["dcpkit", *args], code, out.getvalue(), err.getvalue())
 
 
 class Counter:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
+from conftest import cli
 from dcpkit.convert.adapters import get_adapter
 from dcpkit.convert.hf import from_hf, to_hf
 from dcpkit.convert.torch_save import from_torch, to_torch
@@ -245,12 +244,6 @@ def test_save_pretrained_folder_round_trips(family, tmp_path):
 # --- bad inputs, through the command line ----------------------------------------------------
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dcpkit.cli", *args], capture_output=True, text=True, timeout=300
-    )
-
-
 def _assert_clean_failure(proc, expected: str, out: Path | None = None) -> None:
     assert proc.returncode != 0
     assert expected in proc.stderr, proc.stderr
@@ -264,36 +257,36 @@ def test_bad_inputs_fail_cleanly(stopped_run, tmp_path):
     src = str(_ckpt(stopped_run))
     out = tmp_path / "out"
     _assert_clean_failure(
-        _cli("to-hf", src, str(out), "--flavor", "8B"), "lacks 234 llama3 8B parameter(s)", out
+        cli("to-hf", src, str(out), "--flavor", "8B"), "lacks 234 llama3 8B parameter(s)", out
     )
     _assert_clean_failure(
-        _cli("to-hf", src, str(out), "--flavor", "9B"),
+        cli("to-hf", src, str(out), "--flavor", "9B"),
         "unknown llama3 flavor '9B'; known flavors: debugmodel",
         out,
     )
     _assert_clean_failure(
-        _cli("to-hf", src, str(out), "--model", "gpt2", "--flavor", "x"),
+        cli("to-hf", src, str(out), "--model", "gpt2", "--flavor", "x"),
         "invalid choice: 'gpt2'",
         out,
     )
     _assert_clean_failure(
-        _cli("to-hf", str(tmp_path / "nope"), str(out), "--flavor", "debugmodel"),
+        cli("to-hf", str(tmp_path / "nope"), str(out), "--flavor", "debugmodel"),
         "does not exist",
         out,
     )
     _assert_clean_failure(
-        _cli("to-hf", str(stopped_run / "checkpoint"), str(out), "--flavor", "debugmodel"),
+        cli("to-hf", str(stopped_run / "checkpoint"), str(out), "--flavor", "debugmodel"),
         "has no .metadata",
         out,
     )
     _assert_clean_failure(
-        _cli("to-torch", str(tmp_path), str(tmp_path / "x.pth")),
+        cli("to-torch", str(tmp_path), str(tmp_path / "x.pth")),
         "is not a DCP checkpoint",
         tmp_path / "x.pth",
     )
-    _assert_clean_failure(_cli("from-hf", str(tmp_path), str(out)), "holds no safetensors", out)
+    _assert_clean_failure(cli("from-hf", str(tmp_path), str(out)), "holds no safetensors", out)
     _assert_clean_failure(
-        _cli("from-torch", str(tmp_path / "missing.pth"), str(out)), "does not exist", out
+        cli("from-torch", str(tmp_path / "missing.pth"), str(out)), "does not exist", out
     )
 
     # A truncated .metadata.
@@ -304,7 +297,7 @@ def test_bad_inputs_fail_cleanly(stopped_run, tmp_path):
     meta = broken / ".metadata"
     meta.write_bytes(meta.read_bytes()[:100])
     _assert_clean_failure(
-        _cli("to-torch", str(broken), str(tmp_path / "b.pth")),
+        cli("to-torch", str(broken), str(tmp_path / "b.pth")),
         "truncated or corrupt",
         tmp_path / "b.pth",
     )
@@ -316,7 +309,7 @@ def test_bad_inputs_fail_cleanly(stopped_run, tmp_path):
     odd = tmp_path / "odd"
     dcp.save(state, checkpoint_id=str(odd), no_dist=True)
     _assert_clean_failure(
-        _cli("to-hf", str(odd), str(out), "--flavor", "debugmodel"),
+        cli("to-hf", str(odd), str(out), "--flavor", "debugmodel"),
         "layers.0.attention.extra_gate.weight in",
         out,
     )
@@ -327,19 +320,19 @@ def test_bad_inputs_fail_cleanly(stopped_run, tmp_path):
     wrong = tmp_path / "wrong"
     dcp.save(state, checkpoint_id=str(wrong), no_dist=True)
     _assert_clean_failure(
-        _cli("to-hf", str(wrong), str(out), "--flavor", "debugmodel"), "norm.weight in", out
+        cli("to-hf", str(wrong), str(out), "--flavor", "debugmodel"), "norm.weight in", out
     )
 
     # An existing output is not replaced without --force.
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    proc = _cli("to-hf", src, str(out), "--flavor", "debugmodel")
+    proc = cli("to-hf", src, str(out), "--flavor", "debugmodel")
     assert proc.returncode != 0 and "--force" in proc.stderr
     assert (out / "keep.txt").read_text() == "mine"
 
 
 def test_seed_spellings_of_convert_to_hf(stopped_run, tmp_path):
-    proc = _cli(
+    proc = cli(
         "to-hf",
         "--ckpt_path",
         str(_ckpt(stopped_run)),

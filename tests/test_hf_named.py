@@ -4,20 +4,11 @@ checkpoint and its export identical, and ``from-hf --model hf`` imports it back.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_script
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dcpkit.cli", *args], capture_output=True, text=True, timeout=300
-    )
+from conftest import cli, run_script
 
 
 @pytest.mark.dist
@@ -28,10 +19,10 @@ def test_transformers_model_under_fsdp_exports_with_its_names(kind, tmp_path):
     run_script(2, "hf_named_fsdp.py", str(tmp_path), kind)
     ckpt, out = tmp_path / "checkpoint" / "step-4", tmp_path / "export"
     # Under a TorchTitan family, the names say what it is and how to export it.
-    proc = _cli("to-hf", str(ckpt), str(tmp_path / "wrong"), "--flavor", "debugmodel")
+    proc = cli("to-hf", str(ckpt), str(tmp_path / "wrong"), "--flavor", "debugmodel")
     assert proc.returncode == 2 and "--model hf --config CONFIG_JSON" in proc.stderr
     config = str(tmp_path / "config.json")
-    proc = _cli("to-hf", str(ckpt), str(out), "--model", "hf", "--config", config, "--verify")
+    proc = cli("to-hf", str(ckpt), str(out), "--model", "hf", "--config", config, "--verify")
     assert proc.returncode == 0, proc.stderr
     assert "verified: transformers logits match" in proc.stdout
     expected = load_file(tmp_path / "expected.safetensors")
@@ -39,11 +30,11 @@ def test_transformers_model_under_fsdp_exports_with_its_names(kind, tmp_path):
     with torch.no_grad():
         logits = model(input_ids=expected["tokens"]).logits
     assert (logits - expected["logits"]).abs().max().item() <= 1e-6
-    proc = _cli("diff", str(ckpt), str(out), "--model", "hf")
+    proc = cli("diff", str(ckpt), str(out), "--model", "hf")
     assert proc.returncode == 0 and " 0 differ; 0 only in A, 0 only in B" in proc.stdout, (
         proc.stdout
     )
-    proc = _cli("from-hf", str(out), str(tmp_path / "back"), "--model", "hf", "--verify")
+    proc = cli("from-hf", str(out), str(tmp_path / "back"), "--model", "hf", "--verify")
     assert proc.returncode == 0, proc.stderr
-    proc = _cli("diff", str(tmp_path / "back"), str(out), "--model", "hf")
+    proc = cli("diff", str(tmp_path / "back"), str(out), "--model", "hf")
     assert proc.returncode == 0 and " 0 differ;" in proc.stdout

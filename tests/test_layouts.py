@@ -4,14 +4,12 @@ with FSDP and TP, saved under plain parameter names and resumed at any other lay
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import read_metrics, run_train
+from conftest import cli, read_metrics, run_train
 from dcpkit.safe_pickle import load_metadata
 
 pytestmark = pytest.mark.dist
@@ -26,11 +24,6 @@ HSDP = (
     "2",
 )
 HF_LAST = ("--checkpoint.last_save_model_only", "true", "--checkpoint.last_save_in_hf", "true")
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "dcpkit.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 def _resume(src: Path, step: int, dst: Path, nproc: int, *layout: str) -> dict[int, dict]:
@@ -85,7 +78,7 @@ def test_pp_checkpoint_holds_every_parameter_once_under_its_plain_name(pp_run, t
     hf = pp_run / "checkpoint" / "step-8"
     assert (hf / "config.json").is_file() and (hf / "model.safetensors.index.json").is_file()
     out = tmp_path / "hf"
-    proc = _cli(
+    proc = cli(
         "to-hf",
         str(pp_run / "checkpoint" / "step-4"),
         str(out),
@@ -126,7 +119,7 @@ def test_pp_checkpoint_diff_against_one_rank_shows_the_same_keys(pp_run, tmp_pat
     (one / "checkpoint").mkdir(parents=True)
     shutil.copytree(pp_run / "checkpoint" / "step-4", one / "checkpoint" / "step-4")
     run_train(1, one, *STEPS, "--training.stop_at_step", "5")
-    proc = _cli("diff", str(pp_run / "checkpoint" / "step-4"), str(one / "checkpoint" / "step-5"))
+    proc = cli("diff", str(pp_run / "checkpoint" / "step-4"), str(one / "checkpoint" / "step-5"))
     summary = proc.stdout.splitlines()[-1]
     assert "0 only in B, 0 changed shape or dtype" in summary, proc.stdout[-2000:]
     only = [line for line in proc.stdout.splitlines() if line.startswith("only in A")]

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import Counter, run_script
+from conftest import Counter, cli, run_script
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager
 from dcpkit.engine.async_save import AsyncSaveError
 from dcpkit.storage import open_store
@@ -154,27 +154,17 @@ class Generator:
 
 
 def test_user_states_are_not_counted_as_the_model(tmp_path):
-    import sys
-
     model = _model()
     cfg = CheckpointConfig(enable=True, interval=1)
     with CheckpointManager(cfg, tmp_path, model, states={"data": Generator()}) as mgr:
         mgr.save(1)
     ckpt = tmp_path / "checkpoint" / "step-1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "dcpkit.cli", "inspect", str(ckpt), "--json"],
-        capture_output=True,
-        text=True,
-    )
+    proc = cli("inspect", str(ckpt), "--json")
     groups = json.loads(proc.stdout)["groups"]
     assert groups["model"]["tensors"] == len(model.state_dict()) == 2
     assert groups["data"] == {"tensors": 1, "bytes": 8}
     out = tmp_path / "model.pth"
-    proc = subprocess.run(
-        [sys.executable, "-m", "dcpkit.cli", "to-torch", str(ckpt), str(out), "--model-only"],
-        capture_output=True,
-        text=True,
-    )
+    proc = cli("to-torch", str(ckpt), str(out), "--model-only")
     assert proc.returncode == 0, proc.stderr
     fresh = torch.nn.Linear(4, 4)
     fresh.load_state_dict(torch.load(out, weights_only=True), strict=True)

@@ -9,14 +9,8 @@ import sys
 
 import pytest
 
-from conftest import BUCKET, read_metrics, run_train, start_moto
+from conftest import BUCKET, cli, read_metrics, run_train, start_moto
 from dcpkit.layout import COMMIT_MARKER
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dcpkit.cli", *args], capture_output=True, text=True, timeout=300
-    )
 
 
 @pytest.mark.dist
@@ -36,20 +30,20 @@ def test_train_on_s3_and_resume_bitwise(s3, reference_run, tmp_path):
         assert got[step]["loss"] == ref[step]["loss"], f"step {step}"
 
     # The tools read s3:// paths.
-    proc = _cli("list", url)
+    proc = cli("list", url)
     assert proc.returncode == 0 and "step-20" in proc.stdout and "published" in proc.stdout
-    proc = _cli("verify", f"{url}/step-20")
+    proc = cli("verify", f"{url}/step-20")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    proc = _cli("inspect", f"{url}/step-20", "--json")
+    proc = cli("inspect", f"{url}/step-20", "--json")
     assert proc.returncode == 0 and '"world_size": 2' in proc.stdout
-    proc = _cli("to-hf", f"{url}/step-20", str(tmp_path / "hf"), "--flavor", "debugmodel")
+    proc = cli("to-hf", f"{url}/step-20", str(tmp_path / "hf"), "--flavor", "debugmodel")
     assert proc.returncode == 0, proc.stderr
-    proc = _cli("to-torch", f"{url}/step-20", str(tmp_path / "m.pth"), "--model-only")
+    proc = cli("to-torch", f"{url}/step-20", str(tmp_path / "m.pth"), "--model-only")
     assert proc.returncode == 0, proc.stderr
-    proc = _cli("diff", f"{url}/step-20", str(tmp_path / "hf"))
+    proc = cli("diff", f"{url}/step-20", str(tmp_path / "hf"))
     assert proc.returncode == 0 and "57 identical" in proc.stdout
     # Read from S3 in place, the tensors are the bytes of the local run's step 20.
-    proc = _cli("diff", f"{url}/step-20", str(reference_run / "checkpoint" / "step-20"))
+    proc = cli("diff", f"{url}/step-20", str(reference_run / "checkpoint" / "step-20"))
     assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout
 
 
@@ -88,25 +82,25 @@ def test_inspect_and_verify_read_no_tensor_data(s3, reference_run, tmp_path):
             assert torch.equal(remote_ckpt.read(name, (100, 300)), local_ckpt.read(name)[100:300])
         for name in data:
             assert (view.path / name).stat().st_blocks * 512 < (1 << 20)
-    proc = _cli("inspect", url, "--json")
+    proc = cli("inspect", url, "--json")
     info = json.loads(proc.stdout)
     assert info["published"] and info["complete"] and info["world_size"] == 2
-    assert _cli("verify", url).returncode == 0
+    assert cli("verify", url).returncode == 0
 
     # One flipped byte in a remote data file: the sizes still match, the checksum does not.
     blob = bytearray((local / data[1]).read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     s3.pipe(f"{BUCKET}/tools/checkpoint/step-20/{data[1]}", bytes(blob))
-    proc = _cli("verify", url)
+    proc = cli("verify", url)
     assert proc.returncode == 1 and f"{data[1]}: checksum mismatch" in proc.stdout, proc.stdout
-    assert _cli("verify", url, "--quick").returncode == 0
+    assert cli("verify", url, "--quick").returncode == 0
     # Truncated: found from the listing alone; without the marker, a note says it is not picked.
     s3.pipe(f"{BUCKET}/tools/checkpoint/step-20/{data[0]}", b"short")
     s3.rm(f"{BUCKET}/tools/checkpoint/step-20/{COMMIT_MARKER}")
-    proc = _cli("verify", url, "--quick")
+    proc = cli("verify", url, "--quick")
     assert proc.returncode == 1 and f"{data[0]}: has 5 bytes" in proc.stdout, proc.stdout
     assert "never committed" in proc.stdout
-    assert not json.loads(_cli("inspect", url, "--json").stdout)["published"]
+    assert not json.loads(cli("inspect", url, "--json").stdout)["published"]
 
 
 @pytest.mark.dist
@@ -125,7 +119,7 @@ def test_writer_killed_mid_upload_is_never_picked(s3, reference_run, tmp_path):
     # Data, metadata and manifest of step 10 were uploaded, the commit marker was not.
     assert s3.exists(f"{BUCKET}/killed/checkpoint/step-10/.metadata")
     assert not s3.exists(f"{BUCKET}/killed/checkpoint/step-10/{COMMIT_MARKER}")
-    listing = _cli("list", url).stdout
+    listing = cli("list", url).stdout
     assert "incomplete" in listing.split("step-10")[1].splitlines()[0]
     proc = run_train(2, dump, "--checkpoint.folder", url)
     assert f"loaded {url}/step-5" in proc.stdout
@@ -176,13 +170,13 @@ def test_initial_load_from_s3_dcp_and_hf(s3, stopped_run, tmp_path):
 
 
 def test_missing_bucket_and_bad_url_name_the_url(s3, tmp_path):
-    proc = _cli("list", "s3://no-such-bucket/run")
+    proc = cli("list", "s3://no-such-bucket/run")
     assert proc.returncode != 0 and "s3://no-such-bucket/run" in proc.stderr
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
     for cmd in ("inspect", "verify", "to-hf"):
         missing = f"s3://{BUCKET}/nothing/step-5"
         out = [str(tmp_path / "out"), "--flavor", "debugmodel"] if cmd == "to-hf" else []
-        proc = _cli(cmd, missing, *out)
+        proc = cli(cmd, missing, *out)
         assert proc.returncode == 2, (cmd, proc.stderr)
         assert f"{missing} does not exist" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run(

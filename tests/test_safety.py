@@ -9,14 +9,13 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import BUCKET, Counter
+from conftest import BUCKET, Counter, cli
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager
 from dcpkit.manifest import sealed_bytes
 from dcpkit.models import build_model
@@ -45,12 +44,6 @@ def _checkpoint(root: Path) -> Path:
     with CheckpointManager(cfg, root, _model(), states={"train_state": Counter()}) as mgr:
         mgr.save(1)
     return root / "checkpoint" / "step-1"
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dcpkit.cli", *args], capture_output=True, text=True, timeout=300
-    )
 
 
 def _refused(proc: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -82,12 +75,12 @@ def test_hostile_metadata_is_refused_everywhere(hostile_metadata, tmp_path):
             _load(ckpt.parent.parent, verify_on_load=verify)
     with pytest.raises(CheckpointError, match=r"posix\.system"):
         _load(tmp_path / "fresh", initial_load_path=str(ckpt), initial_load_model_only=False)
-    assert "posix.system" in _refused(_cli("inspect", str(ckpt)))
-    assert "posix.system" in _refused(_cli("verify", str(ckpt)), code=1)
-    assert "posix.system" in _refused(_cli("diff", str(ckpt), str(ckpt)))
+    assert "posix.system" in _refused(cli("inspect", str(ckpt)))
+    assert "posix.system" in _refused(cli("verify", str(ckpt)), code=1)
+    assert "posix.system" in _refused(cli("diff", str(ckpt), str(ckpt)))
     out = str(tmp_path / "out")
-    assert "posix.system" in _refused(_cli("to-hf", str(ckpt), out, "--flavor", "debugmodel"))
-    assert "posix.system" in _refused(_cli("to-torch", str(ckpt), out + ".pth"))
+    assert "posix.system" in _refused(cli("to-hf", str(ckpt), out, "--flavor", "debugmodel"))
+    assert "posix.system" in _refused(cli("to-torch", str(ckpt), out + ".pth"))
     assert not marker.exists()
 
 
@@ -97,7 +90,7 @@ def test_hostile_metadata_on_s3_is_refused(s3, hostile_metadata, tmp_path):
     s3.put(str(ckpt), f"{BUCKET}/hostile/step-1", recursive=True)
     with pytest.raises(CheckpointError, match=r"posix\.system"):
         _load(tmp_path / "fresh", initial_load_path=url, initial_load_model_only=False)
-    assert "posix.system" in _refused(_cli("inspect", url))
+    assert "posix.system" in _refused(cli("inspect", url))
     assert not marker.exists()
 
 
@@ -115,7 +108,7 @@ def test_hostile_rng_blob_and_value_are_refused(tmp_path):
         with pytest.raises(CheckpointError, match=r"asks to load posix\.system"):
             _load(tmp_path / name)
     out = str(tmp_path / "value.pth")
-    _refused(_cli("to-torch", str(tmp_path / "value" / "checkpoint" / "step-1"), out))
+    _refused(cli("to-torch", str(tmp_path / "value" / "checkpoint" / "step-1"), out))
     assert not marker.exists()
 
 
@@ -124,11 +117,11 @@ def test_hostile_torch_save_is_refused_unless_trusted(tmp_path):
     pth = tmp_path / "model.pth"
     torch.save({"w": torch.ones(3), "extra": Payload(marker)}, pth)
     for args in (["inspect", str(pth)], ["diff", str(pth), str(pth)]):
-        assert "posix.system" in _refused(_cli(*args))
-    assert "--trust-pickle" in _refused(_cli("from-torch", str(pth), str(tmp_path / "ckpt")))
+        assert "posix.system" in _refused(cli(*args))
+    assert "--trust-pickle" in _refused(cli("from-torch", str(pth), str(tmp_path / "ckpt")))
     assert not marker.exists()
     # The one flag that lifts it, for a file the user wrote: its code runs.
-    _cli("inspect", str(pth), "--trust-pickle")
+    cli("inspect", str(pth), "--trust-pickle")
     assert marker.exists()
 
 
@@ -159,7 +152,7 @@ def test_metadata_naming_files_outside_the_folder(tmp_path):
             info.relative_path = "../../../../etc/passwd"
 
     _rewrite_metadata(ckpt, escape)
-    text = _refused(_cli("to-torch", str(ckpt), str(tmp_path / "o.pth")))
+    text = _refused(cli("to-torch", str(ckpt), str(tmp_path / "o.pth")))
     assert "'../../../../etc/passwd', outside its own folder" in text
     with pytest.raises(CheckpointError, match="outside its own folder"):
         _load(tmp_path, verify_on_load=False)
@@ -175,11 +168,11 @@ def test_metadata_claiming_more_than_the_files_hold(tmp_path):
         tmd.chunks[0].sizes = torch.Size([1 << 40, 1 << 20])
 
     _rewrite_metadata(ckpt, huge)
-    assert "but its chunks hold" in _refused(_cli("to-torch", str(ckpt), out))
+    assert "but its chunks hold" in _refused(cli("to-torch", str(ckpt), out))
 
     ckpt = _checkpoint(tmp_path / "neg")
     _rewrite_metadata(ckpt, lambda md: setattr(_first_tensor(md)[1], "size", torch.Size([-4])))
-    assert "negative size" in _refused(_cli("to-torch", str(ckpt), out))
+    assert "negative size" in _refused(cli("to-torch", str(ckpt), out))
 
     ckpt = _checkpoint(tmp_path / "long")
 
@@ -188,8 +181,8 @@ def test_metadata_claiming_more_than_the_files_hold(tmp_path):
             info.length = 1 << 40
 
     _rewrite_metadata(ckpt, past_end)
-    assert "too short for" in _refused(_cli("to-torch", str(ckpt), out))
-    assert "too short for" in _refused(_cli("verify", str(ckpt)), code=1)
+    assert "too short for" in _refused(cli("to-torch", str(ckpt), out))
+    assert "too short for" in _refused(cli("verify", str(ckpt)), code=1)
 
 
 def test_symlink_out_of_the_folder(tmp_path):
@@ -199,7 +192,7 @@ def test_symlink_out_of_the_folder(tmp_path):
     shutil.copy(data, outside)
     data.unlink()
     data.symlink_to(outside)
-    text = _refused(_cli("to-torch", str(ckpt), str(tmp_path / "o.pth")))
+    text = _refused(cli("to-torch", str(ckpt), str(tmp_path / "o.pth")))
     assert "outside the checkpoint folder" in text
 
 
@@ -237,7 +230,7 @@ def test_hostile_safetensors_headers(tmp_path):
     name = next(k for k in header if k != "__metadata__")
 
     def refused(expected: str) -> None:
-        text = _refused(_cli("inspect", str(hf)))
+        text = _refused(cli("inspect", str(hf)))
         assert expected in text, text
         shard.write_bytes(original)
 
@@ -269,7 +262,7 @@ def test_config_describing_more_than_the_folder_holds(tmp_path):
         ({"vocab_size": 10**9}, "parameters, but the folder"),
     ):
         (hf / "config.json").write_text(json.dumps({**config, **change}))
-        text = _refused(_cli("from-hf", str(hf), str(tmp_path / "back")))
+        text = _refused(cli("from-hf", str(hf), str(tmp_path / "back")))
         assert expected in text, text
 
 
@@ -279,7 +272,7 @@ def test_manifest_naming_files_outside_the_folder(tmp_path):
     manifest.pop("manifest_xxh3_64")
     manifest["files"]["../../escape"] = {"size": 1, "xxh3_64": "0"}
     (ckpt / "dcpkit.json").write_bytes(sealed_bytes(manifest))
-    text = _refused(_cli("verify", str(ckpt)), code=1)
+    text = _refused(cli("verify", str(ckpt)), code=1)
     assert "names '../../escape', outside the checkpoint folder" in text
 
 
@@ -306,14 +299,14 @@ def test_plain_dcp_checkpoints_still_load_and_inspect(tmp_path):
     assert counter.step == 5
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
-    proc = _cli("inspect", str(ckpt), "--json")
+    proc = cli("inspect", str(ckpt), "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["objects"] == [
         "train_state.step",
         "train_state.note",
         "train_state.hist",
     ]
     out = tmp_path / "plain.pth"
-    assert _cli("to-torch", str(ckpt), str(out)).returncode == 0
+    assert cli("to-torch", str(ckpt), str(out)).returncode == 0
     loaded = torch.load(out, weights_only=True)
     assert loaded["train_state"] == {"step": 5, "note": "plain", "hist": [1.5, 2]}
 
@@ -324,7 +317,7 @@ def test_a_newer_manifest_format_is_named(tmp_path):
     manifest.pop("manifest_xxh3_64")
     manifest["format"] = "dcpkit-checkpoint/99"
     (ckpt / "dcpkit.json").write_bytes(sealed_bytes(manifest))
-    text = _refused(_cli("verify", str(ckpt)), code=1)
+    text = _refused(cli("verify", str(ckpt)), code=1)
     assert "has format 'dcpkit-checkpoint/99'" in text and "upgrade" in text
     with pytest.raises(CheckpointError, match="dcpkit-checkpoint/99"):
         _load(tmp_path, verify_on_load=False)

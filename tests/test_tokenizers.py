@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
-from conftest import run_train
+from conftest import cli, run_train
 from dcpkit.convert.tokenizer import LLAMA3_PATTERN, LLAMA3_SPECIAL_TOKENS, write_tiktoken
 from dcpkit.train.data import train_tokenizer
 
@@ -29,24 +28,11 @@ SAMPLES = [
 
 
 def _to_hf(ckpt: Path, out: Path, tokenizer: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dcpkit.cli",
-            "to-hf",
-            str(ckpt),
-            str(out),
-            "--model",
-            "llama3",
-            "--flavor",
-            "debugmodel",
-            "--tokenizer",
-            str(tokenizer),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return cli(
+        "to-hf",
+        str(ckpt),
+        str(out),
+        *("--model", "llama3", "--flavor", "debugmodel", "--tokenizer", str(tokenizer)),
     )
 
 

@@ -15,18 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import cli
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager
 from dcpkit.convert.hf import to_hf
 from dcpkit.models import build_model
 from dcpkit.tools.verify import verify_path
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dcpkit.cli", *args], capture_output=True, text=True, timeout=300
-    )
 
 
 @pytest.fixture
@@ -46,7 +41,7 @@ def _flip(path: Path, offset: int) -> None:
 def test_verify_names_every_flipped_file(ckpt, tmp_path):
     report = verify_path(ckpt)
     assert report.ok and report.checksummed and report.files_checked == 3
-    proc = _cli("verify", str(ckpt))
+    proc = cli("verify", str(ckpt))
     assert proc.returncode == 0 and proc.stdout.startswith("OK:")
     files = sorted(p.name for p in ckpt.iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "dcpkit.json"]
@@ -63,9 +58,27 @@ def test_verify_names_every_flipped_file(ckpt, tmp_path):
     copy = tmp_path / "cli-flip"
     shutil.copytree(ckpt, copy)
     _flip(copy / "__1_0.distcp", 12345)
-    proc = _cli("verify", str(copy))
+    proc = cli("verify", str(copy))
     assert proc.returncode == 1
     assert "__1_0.distcp: checksum mismatch" in proc.stdout
+
+
+def test_the_console_script_is_a_process_like_any_other(ckpt, tmp_path):
+    """The installed `dcpkit` command (the other tests call its `main` in their own process):
+    exit 0 on a good checkpoint, 1 with the file named on a damaged one, 2 without a traceback
+    on a missing path."""
+    command = str(Path(sys.executable).parent / "dcpkit")
+    proc = subprocess.run([command, "verify", str(ckpt)], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK:"), proc.stderr
+    copy = tmp_path / "flipped"
+    shutil.copytree(ckpt, copy)
+    _flip(copy / "__0_0.distcp", 4321)
+    proc = subprocess.run([command, "verify", str(copy)], capture_output=True, text=True)
+    assert proc.returncode == 1 and "__0_0.distcp: checksum mismatch" in proc.stdout
+    missing = str(tmp_path / "missing")
+    proc = subprocess.run([command, "inspect", missing], capture_output=True, text=True)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_verify_finds_truncation_and_strays(ckpt):
@@ -79,11 +92,11 @@ def test_verify_finds_truncation_and_strays(ckpt):
 
 
 def test_inspect_two_rank_checkpoint(ckpt):
-    proc = _cli("inspect", str(ckpt))
+    proc = cli("inspect", str(ckpt))
     assert proc.returncode == 0
     assert "rank 0   __0_0.distcp" in proc.stdout and "rank 1   __1_0.distcp" in proc.stdout
     assert "tok_embeddings.weight" in proc.stdout and "2048x256" in proc.stdout
-    info = json.loads(_cli("inspect", str(ckpt), "--json").stdout)
+    info = json.loads(cli("inspect", str(ckpt), "--json").stdout)
     assert set(info) >= {
         "path",
         "format",
@@ -120,32 +133,32 @@ def test_inspect_two_rank_checkpoint(ckpt):
 
 def test_inspect_hf_and_torch_files(ckpt, tmp_path):
     to_hf(ckpt, tmp_path / "hf", "llama3", "debugmodel")
-    info = json.loads(_cli("inspect", str(tmp_path / "hf"), "--json").stdout)
+    info = json.loads(cli("inspect", str(tmp_path / "hf"), "--json").stdout)
     assert info["format"] == "hf-safetensors" and info["complete"]
     assert {t["name"] for t in info["tensors"]} >= {"model.embed_tokens.weight", "lm_head.weight"}
     from dcpkit.convert.torch_save import to_torch
 
     to_torch(ckpt, tmp_path / "m.pth", model_only=True)
-    info = json.loads(_cli("inspect", str(tmp_path / "m.pth"), "--json").stdout)
+    info = json.loads(cli("inspect", str(tmp_path / "m.pth"), "--json").stdout)
     assert info["format"] == "torch-save" and len(info["tensors"]) == 57
 
 
 def test_diff_against_own_export_and_later_step(ckpt, stopped_run, reference_run, tmp_path):
     hf = tmp_path / "hf"
     to_hf(ckpt, hf, "llama3", "debugmodel")
-    proc = _cli("diff", str(ckpt), str(hf))
+    proc = cli("diff", str(ckpt), str(hf))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "57 tensors compared: 57 identical" in proc.stdout
-    proc = _cli("diff", str(hf), str(ckpt))  # either order
+    proc = cli("diff", str(hf), str(ckpt))  # either order
     assert proc.returncode == 0
     later = reference_run / "checkpoint" / "step-20"
-    proc = _cli("diff", str(ckpt), str(later))
+    proc = cli("diff", str(ckpt), str(later))
     assert proc.returncode == 1
     assert "differs:   tok_embeddings.weight" in proc.stdout
     assert "differs:   optimizer.state.tok_embeddings.weight.exp_avg" in proc.stdout
     # The same step of two bitwise-identical runs: no difference at all (228 model and
     # optimizer tensors, and each rank's RNG state as 3 tensors).
-    proc = _cli("diff", str(ckpt), str(reference_run / "checkpoint" / "step-10"))
+    proc = cli("diff", str(ckpt), str(reference_run / "checkpoint" / "step-10"))
     assert proc.returncode == 0 and "234 tensors compared: 234 identical" in proc.stdout
 
 
@@ -154,7 +167,7 @@ def test_list_shows_status(ckpt, tmp_path):
     shutil.copytree(ckpt, folder / "step-20")
     (folder / "step-20" / "__1_0.distcp").write_bytes(b"short")
     (folder / ".tmp-step-30").mkdir()
-    proc = _cli("list", str(folder))
+    proc = cli("list", str(folder))
     assert proc.returncode == 0
     lines = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
     assert "published, 2 rank(s)" in lines["step-10"]
@@ -198,7 +211,7 @@ COMMANDS = {
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_missing_path(command, tmp_path):
-    proc = _cli(*COMMANDS[command](str(tmp_path / "missing"), str(tmp_path / "out")))
+    proc = cli(*COMMANDS[command](str(tmp_path / "missing"), str(tmp_path / "out")))
     assert proc.returncode != 0
     assert "missing" in proc.stderr and "does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -211,7 +224,7 @@ def test_not_a_checkpoint(command, tmp_path):
     folder.mkdir()
     (folder / "readme.txt").write_text("hello")
     target = folder if command != "from-torch" else folder / "readme.txt"
-    proc = _cli(*COMMANDS[command](str(target), str(tmp_path / "out")))
+    proc = cli(*COMMANDS[command](str(target), str(tmp_path / "out")))
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     message = proc.stderr + proc.stdout
@@ -223,7 +236,7 @@ def test_not_a_checkpoint(command, tmp_path):
 def test_truncated_metadata(command, ckpt, tmp_path):
     meta = ckpt / ".metadata"
     meta.write_bytes(meta.read_bytes()[:200])
-    proc = _cli(*COMMANDS[command](str(ckpt), str(tmp_path / "out")))
+    proc = cli(*COMMANDS[command](str(ckpt), str(tmp_path / "out")))
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert ".metadata" in proc.stderr + proc.stdout
