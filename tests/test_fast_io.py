@@ -175,3 +175,82 @@ def test_a_torch_file_without_crc32_verifies_and_a_damaged_one_does_not(tmp_path
     assert [str(p) for p in torch_file_problems(plain)] == [
         "plain.pt: record plain/data/0 fails its CRC-32 check"
     ]
+
+
+def test_archives_are_opened_from_their_first_and_last_bytes(tmp_path):
+    """Archives are opened from a read of their first and last few KiB; every record of a DCP
+    checkpoint's files and of ``torch.save`` files with and without CRC-32 is where zipfile
+    puts it. Sizes past the end of the file, and layouts torch.save does not write, go
+    through zipfile: the same values, or the same error."""
+    import io
+    import zipfile
+
+    from dcpkit.formats.torchfile import _scan_records, _zip_records
+
+    state = {f"t{i}": torch.randn(8 * (i + 1), 5) for i in range(6)}
+    dcp.save(state, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    with open(tmp_path / "ckpt" / ".metadata", "rb") as f:
+        meta = load_metadata(f, str(tmp_path / "ckpt"))
+    windows = 0
+    for info in meta.storage_data.values():
+        with open(tmp_path / "ckpt" / info.relative_path, "rb") as f:
+            records, _ = _scan_records(f, info.offset, info.length)
+            assert records == _zip_records(f, info.offset, info.length)
+            windows += 1
+    assert windows == len(state)
+    for crc in (True, False):
+        path = tmp_path / f"m{crc}.pt"
+        torch.serialization.set_crc32_options(crc)
+        try:
+            torch.save({"sd": state, "step": 3}, path)
+        finally:
+            torch.serialization.set_crc32_options(True)
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            records, head = _scan_records(f, 0, size)
+            assert records == _zip_records(f, 0, size) and len(records) >= len(state) + 3
+            assert head == path.read_bytes()[: len(head)]
+            archive = torchfile.TorchSaveFile(f)
+            assert archive.obj["step"] == 3
+            assert torch.equal(archive.read(archive.obj["sd"]["t5"]), state["t5"])
+
+    # Python's zipfile writing to a stream (data descriptors, its own extra fields): the same.
+    buf = io.BytesIO()
+    path = tmp_path / "mTrue.pt"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(_Unseekable(buf), "w") as dst:
+        for name in src.namelist():
+            dst.writestr(src.getinfo(name), src.read(name))
+    streamed = buf.getvalue()
+    records, _ = _scan_records(io.BytesIO(streamed), 0, len(streamed))
+    assert records == _zip_records(io.BytesIO(streamed), 0, len(streamed))
+    archive = torchfile.TorchSaveFile(io.BytesIO(streamed))
+    assert torch.equal(archive.read(archive.obj["sd"]["t2"]), state["t2"])
+
+    # A directory entry claiming more bytes than the file holds is never trusted; an archive
+    # comment (not what torch.save writes) goes through zipfile.
+    raw = bytearray(path.read_bytes())
+    entry = raw.index(b"mTrue/data/0", raw.index(b"PK\x01\x02")) - 46
+    raw[entry + 20 : entry + 28] = (1 << 30).to_bytes(4, "little") * 2
+    assert _scan_records(io.BytesIO(bytes(raw)), 0, len(raw)) is None
+    with pytest.raises(ValueError, match="truncated"):
+        torchfile.TorchSaveFile(io.BytesIO(bytes(raw)))
+    with zipfile.ZipFile(path, "a") as z:
+        z.comment = b"hello"
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        assert _scan_records(f, 0, size) is None
+        archive = torchfile.TorchSaveFile(f)
+        assert torch.equal(archive.read(archive.obj["sd"]["t0"]), state["t0"])
+
+
+class _Unseekable:
+    """A write-only stream without seek: Python's zipfile then writes data descriptors."""
+
+    def __init__(self, buf) -> None:
+        self.buf = buf
+
+    def write(self, data) -> int:
+        return self.buf.write(data)
+
+    def flush(self) -> None:
+        pass

@@ -98,6 +98,7 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         h = xxhash.xxh3_64()
         archives: dict[int, TorchSaveFile] = {}
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             pos, last = 0, -1
             for _, offset, length, item in run:
                 again = offset == last  # another part of the record just hashed
@@ -106,7 +107,8 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
                 if not again:
                     _hash_range(f, pos, offset, h)
                 try:
-                    _load_item(f, offset, length, item, planner, archives, None if again else h)
+                    hashed = None if again else h
+                    _load_item(f, size, offset, length, item, planner, archives, hashed)
                 except (ValueError, zipfile.BadZipFile) as e:
                     self.problems.append(Problem(name, f"{item.storage_index.fqn}: {e}"))
                     if not again:
@@ -120,21 +122,22 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
             )
 
     def _read_run(self, run: list[tuple[str, int, int, Any]], planner: Any) -> None:
-        handles: dict[str, Any] = {}
+        handles: dict[str, tuple[Any, int]] = {}  # file, its size
         archives: dict[str, dict[int, TorchSaveFile]] = {}
         try:
             for relative, offset, length, item in run:
                 path = Path(self.path) / relative
-                f = handles.get(relative)
-                if f is None:
-                    f = handles[relative] = open(path, "rb")  # noqa: SIM115
+                if relative not in handles:
+                    f = open(path, "rb")  # noqa: SIM115
+                    handles[relative] = f, os.fstat(f.fileno()).st_size
+                f, size = handles[relative]
                 try:
                     cache = archives.setdefault(relative, {})
-                    _load_item(f, offset, length, item, planner, cache, None)
+                    _load_item(f, size, offset, length, item, planner, cache, None)
                 except (ValueError, zipfile.BadZipFile) as e:
                     raise ValueError(f"{path}: {item.storage_index.fqn}: {e}") from None
         finally:
-            for f in handles.values():
+            for f, _ in handles.values():
                 f.close()
 
 
@@ -168,6 +171,7 @@ def _hash_range(f: Any, start: int, stop: int, h: Any) -> None:
 
 def _load_item(
     f: Any,
+    size: int,
     offset: int,
     length: int,
     item: Any,
@@ -175,10 +179,9 @@ def _load_item(
     archives: dict[int, TorchSaveFile],
     h: Any,
 ) -> None:
-    """Load one read item from the record at ``[offset, offset + length)`` of ``f``; with a hash
-    ``h``, also feed it every byte of the record, in order (the tensor's bytes from where they
-    landed)."""
-    size = os.fstat(f.fileno()).st_size
+    """Load one read item from the record at ``[offset, offset + length)`` of ``f`` (``size``
+    bytes long); with a hash ``h``, also feed it every byte of the record, in order (the
+    tensor's bytes from where they landed)."""
     if offset + length > size:
         raise ValueError(
             f"the file ends inside this record ({size} bytes; the record ends at byte "
@@ -230,12 +233,13 @@ def _fill(
         and ref.is_contiguous()
     )
     start, end = record[0], record[0] + record[1]
-    span = archive.storage_span(ref, target.numel() * target.element_size(), rows)
-    if direct and h is not None and span is not None:  # hashed as it lands
-        _hash_range(archive.f, start, span[0], h)
-        archive.read_into(ref, target, rows, h)
-        _hash_range(archive.f, span[0] + span[1], end, h)
-        return
+    if direct and h is not None:
+        span = archive.storage_span(ref, target.numel() * target.element_size(), rows)
+        if span is not None:  # hashed as it lands
+            _hash_range(archive.f, start, span[0], h)
+            archive.read_into(ref, target, rows, h)
+            _hash_range(archive.f, span[0] + span[1], end, h)
+            return
     if direct:
         archive.read_into(ref, target, rows)
     elif not shape:

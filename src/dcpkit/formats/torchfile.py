@@ -150,15 +150,98 @@ class _RefUnpickler(pickle.Unpickler):
         return (f"{self.prefix}data/{key}", dtype)
 
 
-def _local_data_offset(f: BinaryIO, base: int, info: zipfile.ZipInfo) -> int:
-    """Offset of a stored record's bytes: the local header's own lengths count, not the central
-    directory's (torch pads the local extra field to align data)."""
-    f.seek(base + info.header_offset)
-    header = f.read(30)
-    if header[:4] != b"PK\x03\x04":
-        raise ValueError("not a zip local header")
-    name_len, extra_len = struct.unpack("<HH", header[26:30])
-    return info.header_offset + 30 + name_len + extra_len
+_END = struct.Struct("<4s4H2LH")  # end of central directory
+_CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory entry
+_SCAN_READ = 4096
+
+
+def _scan_records(
+    f: BinaryIO, start: int, length: int
+) -> tuple[dict[str, tuple[int, int]], bytes] | None:
+    """The records of the archive in ``[start, start + length)`` of ``f`` (name -> offset of its
+    bytes in the window, size), and the window's first bytes as read (they hold the pickle of
+    a small archive), from a read of its first and last few KiB (zipfile takes a read per
+    record and more); None unless it has the layout ``torch.save`` writes (no archive comment,
+    no zip64, stored records), which ``_zip_records`` then reads. Every offset and size is
+    checked against the window."""
+    if length < _END.size:
+        return None
+    f.seek(start)
+    head = f.read(min(length, _SCAN_READ))
+    tail_at = max(0, length - _SCAN_READ)
+    if tail_at < len(head):
+        tail_at, tail = 0, head
+    else:
+        f.seek(start + tail_at)
+        tail = f.read(length - tail_at)
+
+    def window(at: int, n: int) -> bytes:
+        for base, chunk in ((0, head), (tail_at, tail)):
+            if base <= at and at + n <= base + len(chunk):
+                return chunk[at - base : at - base + n]
+        f.seek(start + at)
+        return f.read(n)
+
+    end = window(length - _END.size, _END.size)
+    if len(end) < _END.size:
+        return None
+    sig, _, _, _, count, cd_size, cd_offset, comment = _END.unpack(end)
+    if sig != b"PK\x05\x06" or comment or cd_offset + cd_size > length - _END.size:
+        return None
+    directory = window(cd_offset, cd_size)
+    records: dict[str, tuple[int, int]] = {}
+    at = 0
+    for _ in range(count):
+        entry = directory[at : at + _CENTRAL.size]
+        if len(entry) < _CENTRAL.size:
+            return None
+        fields = _CENTRAL.unpack(entry)
+        sig, method, stored, size = fields[0], fields[4], fields[8], fields[9]
+        name_len, extra_len, comment_len, local = fields[10], fields[11], fields[12], fields[16]
+        if sig != b"PK\x01\x02" or method != zipfile.ZIP_STORED or stored != size:
+            return None
+        if 0xFFFFFFFF in (stored, size, local):  # zip64
+            return None
+        name = directory[at + _CENTRAL.size : at + _CENTRAL.size + name_len]
+        at += _CENTRAL.size + name_len + extra_len + comment_len
+        # The local header's own lengths count, not the central directory's (torch pads the
+        # local extra field to align the data).
+        header = window(local, 30)
+        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+            return None
+        data = local + 30 + sum(struct.unpack("<HH", header[26:30]))
+        if len(name) < name_len or data + size > cd_offset:
+            return None
+        records[name.decode("utf-8", "replace")] = (data, size)
+    return (records, head) if records else None
+
+
+def _zip_records(f: BinaryIO, start: int, length: int) -> dict[str, tuple[int, int]]:
+    """The records of the archive in ``[start, start + length)`` of ``f`` through zipfile's
+    reading of the central directory (any layout a zip writer may choose)."""
+    try:
+        archive = zipfile.ZipFile(_Window(f, start, length))
+    except zipfile.BadZipFile:
+        raise ValueError(
+            "not a torch.save archive (legacy non-zip files are not supported; re-save "
+            "it with a current torch)"
+        ) from None
+    records: dict[str, tuple[int, int]] = {}
+    for info in archive.infolist():
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise ValueError(f"compressed record {info.filename} is not supported")
+        # The local header's own lengths count, not the central directory's (torch pads the
+        # local extra field to align data).
+        f.seek(start + info.header_offset)
+        header = f.read(30)
+        if header[:4] != b"PK\x03\x04":
+            raise ValueError("not a zip local header")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        offset = info.header_offset + 30 + name_len + extra_len
+        if offset + info.file_size > length:
+            raise ValueError(f"record {info.filename} ends past the end of the file: truncated")
+        records[info.filename] = (offset, info.file_size)
+    return records
 
 
 class TorchSaveFile:
@@ -172,15 +255,12 @@ class TorchSaveFile:
         if length is None:
             f.seek(0, os.SEEK_END)
             length = f.tell() - start
-        try:
-            self.zip = zipfile.ZipFile(_Window(f, start, length))
-        except zipfile.BadZipFile:
-            raise ValueError(
-                "not a torch.save archive (legacy non-zip files are not supported; re-save "
-                "it with a current torch)"
-            ) from None
-        names = self.zip.namelist()
-        pkl = next((n for n in names if n.endswith("data.pkl")), None)
+        scanned = _scan_records(f, start, length)
+        if scanned is None:  # not the plain layout torch.save writes: zipfile reads it
+            records, self._head = _zip_records(f, start, length), b""
+        else:
+            records, self._head = scanned
+        pkl = next((n for n in records if n.endswith("data.pkl")), None)
         if pkl is None:
             raise ValueError("not a torch.save archive: no data.pkl record")
         self.prefix = pkl[: -len("data.pkl")]
@@ -189,15 +269,9 @@ class TorchSaveFile:
         # checksums cover the files, and the pickle is parsed with an allow-list anyway.
         self._offsets: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
-        for info in self.zip.infolist():
-            if not info.filename.startswith(self.prefix):
-                continue
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise ValueError(f"compressed record {info.filename} is not supported")
-            offset = _local_data_offset(f, start, info)
-            if offset + info.file_size > length:
-                raise ValueError(f"record {info.filename} ends past the end of the file: truncated")
-            self._offsets[info.filename], self._sizes[info.filename] = offset, info.file_size
+        for name, (offset, size) in records.items():
+            if name.startswith(self.prefix):
+                self._offsets[name], self._sizes[name] = offset, size
         order_record = self.prefix + "byteorder"
         order = self._record(order_record) if order_record in self._sizes else b"little"
         if order.strip() != b"little":
@@ -207,8 +281,11 @@ class TorchSaveFile:
             del self._offsets[name], self._sizes[name]
 
     def _record(self, record: str) -> bytes:
-        """A whole (small) record's stored bytes."""
-        return bytes(self._read_bytes(record, 0, self._sizes[record]))
+        """A whole (small) record's stored bytes (from the bytes the scan read, when there)."""
+        offset, size = self._offsets[record], self._sizes[record]
+        if offset + size <= len(self._head):
+            return self._head[offset : offset + size]
+        return bytes(self._read_bytes(record, 0, size))
 
     def read(self, ref: TensorRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor (a fresh CPU tensor), or only rows ``[start, stop)`` of its first dim."""
