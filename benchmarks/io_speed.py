@@ -112,6 +112,7 @@ def worker(gib: float, work: Path, reps: int) -> None:
 
     from dcpkit import CheckpointConfig, CheckpointManager
     from dcpkit.dist import io_threads
+    from dcpkit.layout import rank_file_prefix
 
     td.init_process_group("gloo")
     rank, world = td.get_rank(), td.get_world_size()
@@ -145,7 +146,7 @@ def worker(gib: float, work: Path, reps: int) -> None:
         for path in timed("raw_write_fsync_s", lambda: _raw_write(tensors, raw, threads)):  # noqa: B023
             path.unlink()
     files = sorted(p for p in ckpt.iterdir() if p.is_file())
-    own = [p for p in files if p.name.startswith(f"__{rank}_")]  # the files this rank wrote
+    own = [p for p in files if p.name.startswith(rank_file_prefix(rank))]  # this rank wrote
     mine = own if world > 1 and own else files[rank::world]
     into = torch.empty(sum(p.stat().st_size for p in mine), dtype=torch.uint8)
     into.fill_(0)
