@@ -5,9 +5,10 @@
 For each world size, a Llama-shaped model + AdamW state of about ``--gb`` GiB is FSDP-sharded
 over the ranks (torchrun, gloo). Everything timed goes through ``CheckpointManager``'s public
 API, slowest rank, all ranks starting together:
-- sync save (``save()`` of a full checkpoint, durable and published) against a raw write of each
-  rank's state bytes with as many threads as the checkpoint writer has, a file each, each
-  fsynced;
+- sync save (``save()`` of a full checkpoint, durable and published, by a manager that has
+  saved before, as every save of a run but its first) against a raw write of each rank's state
+  bytes with as many threads as the checkpoint writer has, a file each, each fsynced; and,
+  once, a run's first save (which also takes the folder's lease and plans);
 - load (``load()`` of a manager, as at a resume) with ``verify_on_load`` off and on, against a raw
   parallel read of the checkpoint's files into memory (the same bytes, the same threads per
   rank, each a contiguous byte range of the rank's files) - with the page cache warm, and
@@ -132,19 +133,23 @@ def worker(gib: float, work: Path, reps: int) -> None:
         return result
 
     folder = work / "run"
-    ckpt = folder / "checkpoint" / "step-1"
     threads = io_threads()
-    for _ in range(reps):
-        if rank == 0:
-            shutil.rmtree(folder, ignore_errors=True)
+    # One manager saves every step, as in a run: its first save also takes the folder's lease
+    # and plans; the later ones (the "sync save" row) reuse the plan.
+    cfg = CheckpointConfig(enable=True, interval=1, keep_latest_k=0)
+    mgr = CheckpointManager(cfg, folder, model, optimizer=opt)
+    timed("first_save_s", lambda: mgr.save(1, force=True))
+    last = reps + 1
+    for step in range(2, last + 1):
+        if rank == 0:  # only the last step stays on disk
+            shutil.rmtree(folder / "checkpoint" / f"step-{step - 1}")
         td.barrier()
-        cfg = CheckpointConfig(enable=True, interval=1, keep_latest_k=0)
-        mgr = CheckpointManager(cfg, folder, model, optimizer=opt)
-        timed("save_s", lambda: mgr.save(1, force=True))  # noqa: B023
-        mgr.close()
+        timed("save_s", lambda: mgr.save(step, force=True))  # noqa: B023
         raw = work / f"raw-{rank}.bin"
         for path in timed("raw_write_fsync_s", lambda: _raw_write(tensors, raw, threads)):  # noqa: B023
             path.unlink()
+    mgr.close()
+    ckpt = folder / "checkpoint" / f"step-{last}"
     files = sorted(p for p in ckpt.iterdir() if p.is_file())
     own = [p for p in files if p.name.startswith(rank_file_prefix(rank))]  # this rank wrote
     mine = own if world > 1 and own else files[rank::world]
@@ -162,7 +167,7 @@ def worker(gib: float, work: Path, reps: int) -> None:
     }
 
     def load(verify: bool) -> None:
-        assert managers[verify].load() == 1
+        assert managers[verify].load() == last
 
     def torch_load() -> None:
         """What a loop without dcpkit does: DCP's own reader, then set_state_dict."""
@@ -208,6 +213,7 @@ def worker(gib: float, work: Path, reps: int) -> None:
 
 ROWS = [
     ("sync save", "save_s", "raw_write_fsync_s", "raw write + fsync"),
+    ("sync save, a run's first", "first_save_s", "raw_write_fsync_s", "raw write + fsync"),
     ("load, page cache warm", "load_warm_s", "raw_read_warm_s", "raw parallel read"),
     ("load + verify, warm", "load_verify_warm_s", "raw_read_warm_s", "raw parallel read"),
     ("load, page cache dropped", "load_cold_s", "raw_read_cold_s", "raw parallel read"),
