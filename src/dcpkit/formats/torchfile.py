@@ -158,12 +158,10 @@ _SCAN_READ = 4096
 def _scan_records(
     f: BinaryIO, start: int, length: int
 ) -> tuple[dict[str, tuple[int, int]], bytes] | None:
-    """The records of the archive in ``[start, start + length)`` of ``f`` (name -> offset of its
-    bytes in the window, size), and the window's first bytes as read (they hold the pickle of
-    a small archive), from a read of its first and last few KiB (zipfile takes a read per
-    record and more); None unless it has the layout ``torch.save`` writes (no archive comment,
-    no zip64, stored records), which ``_zip_records`` then reads. Every offset and size is
-    checked against the window."""
+    """The records of the archive in ``[start, start + length)`` of ``f`` (name -> offset in the
+    window, size) and the window's first bytes, from a read of its first and last 4 KiB
+    (zipfile reads per record); None unless it has ``torch.save``'s layout (no comment, no
+    zip64, stored records): ``_zip_records`` reads it then. Offsets and sizes are checked."""
     if length < _END.size:
         return None
     f.seek(start)
@@ -204,9 +202,7 @@ def _scan_records(
             return None
         name = directory[at + _CENTRAL.size : at + _CENTRAL.size + name_len]
         at += _CENTRAL.size + name_len + extra_len + comment_len
-        # The local header's own lengths count, not the central directory's (torch pads the
-        # local extra field to align the data).
-        header = window(local, 30)
+        header = window(local, 30)  # its own lengths count: torch pads its extra field
         if len(header) < 30 or header[:4] != b"PK\x03\x04":
             return None
         data = local + 30 + sum(struct.unpack("<HH", header[26:30]))
@@ -217,8 +213,7 @@ def _scan_records(
 
 
 def _zip_records(f: BinaryIO, start: int, length: int) -> dict[str, tuple[int, int]]:
-    """The records of the archive in ``[start, start + length)`` of ``f`` through zipfile's
-    reading of the central directory (any layout a zip writer may choose)."""
+    """``_scan_records``' records through zipfile (any layout a zip writer may choose)."""
     try:
         archive = zipfile.ZipFile(_Window(f, start, length))
     except zipfile.BadZipFile:
