@@ -105,6 +105,7 @@ class CheckpointManager:
     def step_path(self, step: int) -> str:
         return self.store.location(step_name(step))
 
+    @dist.paused_gc()
     def load(self) -> int | None:
         """Restore the latest published checkpoint (or ``load_step``). Returns its step, or None
         when there is nothing to load and training starts fresh."""
