@@ -152,7 +152,8 @@ def read_manifest(step_folder: Path) -> dict:
 BUCKET = "dcpkit-test"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -160,7 +161,7 @@ def _free_port() -> int:
 
 def start_moto(log_path, extra_env=None) -> tuple[subprocess.Popen, int]:
     """A moto S3 server on 127.0.0.1 (a real HTTP server speaking the S3 protocol)."""
-    port = _free_port()
+    port = free_port()
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

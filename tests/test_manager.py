@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import socket
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import ROOT, Counter, read_manifest, torchrun_env
+from conftest import ROOT, Counter, free_port, read_manifest, torchrun_env
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager, ConfigError
 from dcpkit.models import build_model
 from dcpkit.storage import open_store
@@ -335,12 +334,6 @@ def test_config_from_toml(tmp_path):
         CheckpointConfig.from_toml(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_process_exits_cleanly_right_after_a_collective():
     """A gloo worker thread releasing a finished collective's tensors needs the GIL; a process
     that exits first aborts (SIGABRT) after its work is done: 3 of 10 plain-torch pairs of
@@ -348,7 +341,7 @@ def test_a_process_exits_cleanly_right_after_a_collective():
     script = str(ROOT / "tests" / "scripts" / "exit_after_gather.py")
     codes = []
     for _ in range(8):
-        port = _free_port()
+        port = free_port()
         procs = [
             subprocess.Popen(
                 [sys.executable, script, "dcpkit"],
