@@ -155,6 +155,14 @@ _CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory entry
 _SCAN_READ = 4096
 
 
+def _data_offset(header: bytes, local: int) -> int | None:
+    """Start of the bytes of the record whose local header (``header``) is at ``local``, by the
+    header's own lengths (torch pads its extra field); None if it is not a local header."""
+    if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        return None
+    return local + 30 + sum(struct.unpack("<HH", header[26:30]))
+
+
 def _scan_records(
     f: BinaryIO, start: int, length: int
 ) -> tuple[dict[str, tuple[int, int]], bytes] | None:
@@ -202,11 +210,8 @@ def _scan_records(
             return None
         name = directory[at + _CENTRAL.size : at + _CENTRAL.size + name_len]
         at += _CENTRAL.size + name_len + extra_len + comment_len
-        header = window(local, 30)  # its own lengths count: torch pads its extra field
-        if len(header) < 30 or header[:4] != b"PK\x03\x04":
-            return None
-        data = local + 30 + sum(struct.unpack("<HH", header[26:30]))
-        if len(name) < name_len or data + size > cd_offset:
+        data = _data_offset(window(local, 30), local)
+        if data is None or len(name) < name_len or data + size > cd_offset:
             return None
         records[name.decode("utf-8", "replace")] = (data, size)
     return (records, head) if records else None
@@ -225,14 +230,10 @@ def _zip_records(f: BinaryIO, start: int, length: int) -> dict[str, tuple[int, i
     for info in archive.infolist():
         if info.compress_type != zipfile.ZIP_STORED:
             raise ValueError(f"compressed record {info.filename} is not supported")
-        # The local header's own lengths count, not the central directory's (torch pads the
-        # local extra field to align data).
         f.seek(start + info.header_offset)
-        header = f.read(30)
-        if header[:4] != b"PK\x03\x04":
+        offset = _data_offset(f.read(30), info.header_offset)
+        if offset is None:
             raise ValueError("not a zip local header")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        offset = info.header_offset + 30 + name_len + extra_len
         if offset + info.file_size > length:
             raise ValueError(f"record {info.filename} ends past the end of the file: truncated")
         records[info.filename] = (offset, info.file_size)
@@ -262,11 +263,9 @@ class TorchSaveFile:
         # Every record is read by its stored bytes, never through zipfile, which would check a
         # CRC-32 that torch.save may have left out (``set_crc32_options(False)``): dcpkit's
         # checksums cover the files, and the pickle is parsed with an allow-list anyway.
-        self._offsets: dict[str, int] = {}
-        self._sizes: dict[str, int] = {}
-        for name, (offset, size) in records.items():
-            if name.startswith(self.prefix):
-                self._offsets[name], self._sizes[name] = offset, size
+        mine = {n: r for n, r in records.items() if n.startswith(self.prefix)}
+        self._offsets = {n: offset for n, (offset, _) in mine.items()}
+        self._sizes = {n: size for n, (_, size) in mine.items()}
         order_record = self.prefix + "byteorder"
         order = self._record(order_record) if order_record in self._sizes else b"little"
         if order.strip() != b"little":
