@@ -112,19 +112,25 @@ def test_a_large_share_is_written_as_a_file_per_thread(tmp_path, monkeypatch):
         assert torch.equal(a["exp_avg"], b["exp_avg"])
 
 
-def test_records_are_written_without_crc32_and_dcp_reads_them(tmp_path):
-    """A save's torch.save records carry no CRC-32 (the manifest's checksums cover them), torch's
+def test_records_are_written_without_crc32_and_dcp_reads_them(tmp_path, monkeypatch):
+    """A save's torch.save records carry no CRC-32 (the manifest's checksums cover them), those
+    of the files DCP's writer threads write too (torch 2.13 keeps the switch per thread), torch's
     setting is as it was after the save, and DCP's own reader loads the step."""
     import io
     import zipfile
 
     import torch.distributed.checkpoint as dcp
 
+    import dcpkit.storage.local as local
+
+    monkeypatch.setattr(local, "FILE_SHARE", 64 << 10)  # a file per writer thread
+    monkeypatch.setattr(local, "io_threads", lambda: 3)
     model, opt, sched, counter = _setup()
     mgr = _manager(tmp_path, model, opt, sched, counter, interval=1)
     _train(model, opt, sched, counter, 1, mgr)
     assert torch.serialization.get_crc32_options()
     step = tmp_path / "checkpoint" / "step-1"
+    assert len(list(step.glob("*.distcp"))) == 3
     reader = FileSystemReader(str(step))
     crcs = set()
     for info in reader.read_metadata().storage_data.values():

@@ -366,7 +366,7 @@ def write_dcp(
         if digests is not None:
             writer.fs = HashingFileSystem(digests)
         try:
-            with records_without_crc32():  # the manifest's checksums cover the bytes
+            with records_without_crc32(writer.fs):  # the manifest's checksums cover the bytes
                 dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as e:  # a BaseException wrapping what was raised inside
             raise out_of_space(first_failure(e), path) from None

@@ -14,7 +14,7 @@ class CrashPointWriter:
     _kill_pid: int | None = None
 
     def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
-        with dist.records_without_crc32():
+        with dist.records_without_crc32(self.fs):
             future = super().write_data(plan, planner)  # type: ignore[misc]
             future.wait()
         failpoints.hit("mid_write", self._step, dist.rank(), self._kill_pid)
