@@ -48,14 +48,17 @@ def _rss(field: str = "VmRSS") -> int:
     return 0
 
 
-def build_state(gib: float, device: str, shard=None):  # type: ignore[no-untyped-def]
-    """A Llama 3 shaped model and an AdamW with its state materialized (12 bytes a parameter);
-    ``shard(model)``, if given, parallelizes the model while it is still on the meta device."""
+def build_state(gib: float, device: str, shard=None, dim: int = 1024):  # type: ignore[no-untyped-def]
+    """A Llama 3 shaped model of width ``dim`` and an AdamW with its state materialized (12
+    bytes a parameter), as many layers as make about ``gib`` GiB; ``shard(model)``, if given,
+    parallelizes the model while it is still on the meta device."""
     from dcpkit.models import build_model
+    from dcpkit.models.llama3 import Llama3Args
 
     params_wanted = gib * (1 << 30) / 12
-    dim, vocab = 1024, 32000
-    per_layer = 4 * dim * dim + 3 * dim * 2816 + 2 * dim
+    vocab = 32000
+    hidden = Llama3Args(dim=dim, multiple_of=256).ffn_hidden_dim
+    per_layer = 4 * dim * dim + 3 * dim * hidden + 2 * dim
     layers = max(1, round((params_wanted - 2 * vocab * dim) / per_layer))
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -64,7 +67,7 @@ def build_state(gib: float, device: str, shard=None):  # type: ignore[no-untyped
             "debugmodel",
             dim=dim,
             n_layers=layers,
-            n_heads=16,
+            n_heads=dim // 64,
             vocab_size=vocab,
             multiple_of=256,
             max_seq_len=64,

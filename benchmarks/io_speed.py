@@ -1,10 +1,10 @@
 """IO at the limit: checkpoint save and load against raw IO of the same bytes, in one run.
 
-    python benchmarks/io_speed.py [--gb 4] [--nproc 1 2] [--reps 3] [--json PATH]
+    python benchmarks/io_speed.py [--gb 4] [--dim 1024] [--nproc 1 2] [--reps 3] [--json PATH]
 
-For each world size, a Llama-shaped model + AdamW state of about ``--gb`` GiB is FSDP-sharded
-over the ranks (torchrun, gloo). Everything timed goes through ``CheckpointManager``'s public
-API, slowest rank, all ranks starting together:
+For each world size, a Llama-shaped model + AdamW state of about ``--gb`` GiB (width ``--dim``,
+as many layers as that takes) is FSDP-sharded over the ranks (torchrun, gloo). Everything timed
+goes through ``CheckpointManager``'s public API, slowest rank, all ranks starting together:
 - sync save (``save()`` of a full checkpoint, durable and published, by a manager that has
   saved before, as every save of a run but its first) against a raw write of each rank's state
   bytes with as many threads as the checkpoint writer has, a file each, each fsynced; and,
@@ -14,7 +14,10 @@ API, slowest rank, all ranks starting together:
   rank, each a contiguous byte range of the rank's files) - with the page cache warm, and
   dropped (every file evicted with ``posix_fadvise``) before each cold read; and, beside it,
   what a loop without dcpkit does: PyTorch's ``dcp.load`` (its ``FileSystemReader``) +
-  ``set_state_dict`` of the same state, saved by ``dcp.save``.
+  ``set_state_dict`` of the same state, saved by ``dcp.save``;
+- two floors, warm: DCP's own steps of a load with a reader that reads no bytes (the state
+  dicts, ``.metadata``, planning, ``set_state_dict``: what any DCP ``StorageReader`` adds to its
+  reads), and the raw parallel read hashing every byte as it lands (what any verification adds).
 Medians over ``--reps`` runs.
 """
 
@@ -32,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -83,9 +87,10 @@ def _contiguous_ranges(files: list[Path], threads: int) -> list[list[tuple[Path,
     return [r for r in ranges if r]
 
 
-def _raw_read(files: list[Path], threads: int, into: torch.Tensor) -> None:
+def _raw_read(files: list[Path], threads: int, into: torch.Tensor, hashed: bool = False) -> None:
     """Read ``files`` into ``into`` (preallocated, as large as they are) with ``threads``
-    threads, each a contiguous byte range."""
+    threads, each a contiguous byte range; ``hashed``: each thread also feeds every byte it
+    read to an xxh3-64, block by block as it lands (the least any verification costs)."""
     view = into.numpy()
     ranges: list[list[tuple[Path, int, int, int]]] = []
     at = 0
@@ -96,18 +101,37 @@ def _raw_read(files: list[Path], threads: int, into: torch.Tensor) -> None:
             at += n
 
     def read(pieces: list[tuple[Path, int, int, int]]) -> None:
+        h = xxhash.xxh3_64() if hashed else None
         for path, start, n, dest in pieces:
             with open(path, "rb", buffering=0) as f:
                 f.seek(start)
                 mv, got = memoryview(view[dest : dest + n]), 0
                 while got < n:
-                    got += f.readinto(mv[got:])
+                    block = f.readinto(mv[got : got + (16 << 20)])
+                    if h is not None:
+                        h.update(mv[got : got + block])
+                    got += block
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(read, ranges))
 
 
-def worker(gib: float, work: Path, reps: int) -> None:
+def _no_bytes_reader() -> type:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.futures import Future
+
+    class NoBytesReader(FileSystemReader):
+        """DCP's file system reader, reading ``.metadata`` and no data."""
+
+        def read_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
+    return NoBytesReader
+
+
+def worker(gib: float, work: Path, reps: int, dim: int) -> None:
     import torch.distributed as td
     from recovery import _evict, _local, build
 
@@ -115,9 +139,10 @@ def worker(gib: float, work: Path, reps: int) -> None:
     from dcpkit.dist import io_threads
     from dcpkit.layout import rank_file_prefix
 
+    no_bytes_reader = _no_bytes_reader()
     td.init_process_group("gloo")
     rank, world = td.get_rank(), td.get_world_size()
-    model, opt = build(gib)
+    model, opt = build(gib, dim)
     tensors = [_local(p.detach()) for p in model.parameters()]
     for st in opt.state.values():
         tensors += [_local(v) for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
@@ -179,6 +204,18 @@ def worker(gib: float, work: Path, reps: int) -> None:
         dcp.load(state, checkpoint_id=str(work / "torch"))
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
+    def dcp_floor() -> None:
+        """What any DCP ``StorageReader`` pays before and after its bytes: the state dicts,
+        ``.metadata``, DCP's planning and ``set_state_dict``, with a reader that reads none (of
+        the ``dcp.save`` of the same state: the same entries)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, storage_reader=no_bytes_reader(str(work / "torch")))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -191,6 +228,8 @@ def worker(gib: float, work: Path, reps: int) -> None:
         timed("load_warm_s", lambda: load(False))
         timed("load_verify_warm_s", lambda: load(True))
         timed("torch_load_warm_s", torch_load)
+        timed("raw_read_hashed_warm_s", lambda: _raw_read(mine, threads, into, hashed=True))
+        timed("dcp_floor_warm_s", dcp_floor)
     for _ in range(reps):
         for key, fn in (
             ("raw_read_cold_s", lambda: _raw_read(mine, threads, into)),
@@ -207,6 +246,7 @@ def worker(gib: float, work: Path, reps: int) -> None:
     ckpt_bytes = sum(p.stat().st_size for p in files)
     result = {k: statistics.median(v) for k, v in out.items()}
     result.update(rank_bytes=rank_bytes, checkpoint_bytes=ckpt_bytes, threads=threads)
+    result.update(tensors=len(tensors), layers=len(model.layers))
     report(result)
     td.destroy_process_group()
 
@@ -238,18 +278,22 @@ def main() -> int:
     parser.add_argument("--gb", type=float, default=4.0)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--dim", type=int, default=1024, help="model width (layers are added to reach --gb)"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker:
-        worker(opts.gb, opts.worker, opts.reps)
+        worker(opts.gb, opts.worker, opts.reps, opts.dim)
         return 0
     results = {}
     for nproc in opts.nproc:
         work = Path(tempfile.mkdtemp(prefix="dcpkit-io-", dir=opts.workdir))
         try:
-            args = ["--gb", str(opts.gb), "--reps", str(opts.reps), "--worker", str(work)]
+            args = ["--gb", str(opts.gb), "--reps", str(opts.reps), "--dim", str(opts.dim)]
+            args += ["--worker", str(work)]
             job = run_ranks(__file__, nproc, args)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -261,8 +305,11 @@ def main() -> int:
         size = ranks[0]["checkpoint_bytes"]
         state = sum(r["rank_bytes"] for r in ranks)
         results[nproc] = {"slowest": slowest, "ranks": ranks, "checkpoint_bytes": size}
+        count = ranks[0]["tensors"]
         print(
-            f"\n{nproc} rank(s): {state / (1 << 30):.2f} GiB of model + AdamW state, checkpoint "
+            f"\n{nproc} rank(s): {state / (1 << 30):.2f} GiB of model + AdamW state (width "
+            f"{opts.dim}, {ranks[0]['layers']} layers: {count} tensors of "
+            f"{state / count / (1 << 20):.1f} MiB on average), checkpoint "
             f"{size / (1 << 30):.2f} GiB, {ranks[0]['threads']} read threads per rank"
         )
         print("| operation | seconds | GiB/s | baseline | baseline GiB/s | x baseline |")
@@ -276,6 +323,19 @@ def main() -> int:
             )
         verify_cost = slowest["load_verify_warm_s"] / slowest["load_warm_s"] - 1
         print(f"verify-on-load costs {100 * verify_cost:+.1f}% (warm)")
+        raw, floor = slowest["raw_read_warm_s"], slowest["dcp_floor_warm_s"]
+        ours = raw / slowest["load_warm_s"]
+        print(
+            f"DCP's own steps of a load, no bytes read (its FileSystemReader reading none: state "
+            f"dicts, .metadata, planning, set_state_dict): {floor:.3f} s; raw + that: "
+            f"{raw / (raw + floor):.2f} x raw; dcpkit's warm load: {ours:.2f} x raw"
+        )
+        hashed = slowest["raw_read_hashed_warm_s"]
+        print(
+            f"the raw read hashing every byte as it lands (xxh3-64): {hashed:.3f} s, "
+            f"{100 * (hashed / raw - 1):+.1f}% over the raw read, "
+            f"{100 * (hashed - raw) / slowest['load_warm_s']:+.1f}% of dcpkit's warm load"
+        )
     if opts.json:
         opts.json.write_text(json.dumps(results, indent=2) + "\n")
         print(f"\nwrote {opts.json}")

@@ -34,7 +34,7 @@ from _launch import report, run_ranks  # this script's folder is on sys.path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build(gib: float):
+def build(gib: float, dim: int = 1024):
     """async_stall's Llama 3 shaped model + AdamW, FSDP-sharded over every rank."""
     import torch.distributed as td
     from async_stall import build_state  # this script's folder is on sys.path
@@ -47,7 +47,7 @@ def build(gib: float):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
 
-    return build_state(gib, "cpu", shard=fsdp)
+    return build_state(gib, "cpu", shard=fsdp, dim=dim)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
