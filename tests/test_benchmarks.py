@@ -94,3 +94,25 @@ def test_model_io_benchmark_small(tmp_path):
         assert sum(r["rank_bytes"] for r in run["ranks"]) >= 0.9 * data["checkpoint_bytes"]
         assert s["saved_bytes"] >= 0.9 * data["checkpoint_bytes"]
     assert "x baseline speed" in proc.stdout
+
+
+def test_io_speed_benchmark_small(tmp_path):
+    """The IO benchmark at a toy size: every operation and both floors measured at 1 and 2
+    ranks, beside their raw baselines."""
+    out = tmp_path / "io_speed.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "io_speed.py"), "--gb", "0.1"]
+    cmd += ["--dim", "256", "--nproc", "1", "2", "--reps", "1", "--json", str(out)]
+    cmd += ["--workdir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data) == {"1", "2"}
+    for nproc, run in data.items():
+        s = run["slowest"]
+        for key in ("save_s", "raw_write_fsync_s", "load_warm_s", "load_verify_cold_s"):
+            assert s[key] > 0, (nproc, key)
+        for key in ("raw_read_warm_s", "raw_read_hashed_warm_s", "dcp_floor_warm_s"):
+            assert s[key] > 0, (nproc, key)
+        assert sum(r["rank_bytes"] for r in run["ranks"]) >= 0.9 * run["checkpoint_bytes"]
+    assert proc.stdout.count("DCP's own steps of a load") == 2
+    assert proc.stdout.count("hashing every byte as it lands") == 2
