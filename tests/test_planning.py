@@ -78,3 +78,58 @@ def test_planning_scale_benchmark_small(tmp_path):
     # A cell over the item budget is extrapolated, and says so.
     assert any(not r["measured"] for r in rows if r["model"] == "70B")
     assert (tmp_path / "planning.png").stat().st_size > 0
+
+
+def test_a_small_value_stored_many_times_is_serialized_once(tmp_path, monkeypatch):
+    """A flattened optimizer stores each hyperparameter once per parameter: a save serializes
+    each distinct value once, and every value loads back as it was, down to its type and the
+    sign of a zero (1 and 1.0, 0.0 and -0.0 are not the same value)."""
+    import io
+    import math
+
+    from dcpkit import CheckpointConfig, CheckpointManager
+
+    def model_and_opt(lr_a, lr_b, wd_b):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+        params = list(model.parameters())
+        groups = [
+            {"params": params[:6], "lr": lr_a, "weight_decay": 0.0},
+            {"params": params[6:], "lr": lr_b, "weight_decay": wd_b, "betas": (0.8, 0.9)},
+        ]
+        return model, torch.optim.AdamW(groups)
+
+    model, opt = model_and_opt(1, 1.0, -0.0)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    calls = []
+    save = torch.save
+
+    def counting_save(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if isinstance(f, io.BytesIO):
+            calls.append(obj)
+        return save(obj, f, *args, **kwargs)
+
+    cfg = CheckpointConfig(enable=True, interval=1)
+    mgr = CheckpointManager(cfg, tmp_path, model, optimizer=opt, save_rng=False)
+    monkeypatch.setattr(torch, "save", counting_save)
+    mgr.save(1, force=True)
+    monkeypatch.undo()
+    mgr.close()
+    values = [c for c in calls if not torch.is_tensor(c)]
+    # 12 parameters x a dozen hyperparameters each, serialized once per distinct value
+    assert 0 < len(values) <= 30, values
+    assert len({repr(v) for v in values}) == len(values)
+
+    model2, opt2 = model_and_opt(0.5, 0.5, 0.5)
+    mgr2 = CheckpointManager(cfg, tmp_path, model2, optimizer=opt2, save_rng=False)
+    assert mgr2.load() == 1
+    mgr2.close()
+    a, b = opt2.param_groups
+    assert type(a["lr"]) is int and a["lr"] == 1
+    assert type(b["lr"]) is float and b["lr"] == 1.0
+    assert math.copysign(1.0, a["weight_decay"]) == 1.0
+    assert math.copysign(1.0, b["weight_decay"]) == -1.0
+    assert tuple(b["betas"]) == (0.8, 0.9) and tuple(a["betas"]) == (0.9, 0.999)
+    for p, q in zip(opt.state.values(), opt2.state.values()):
+        assert torch.equal(p["exp_avg"], q["exp_avg"])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import inspect
+import io
 import itertools
 import math
 from collections import ChainMap, Counter
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from dcpkit.dist import paused_gc
 
@@ -50,6 +51,21 @@ CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__
 
 _keys = itertools.count()
 _global_plans: Counter[str] = Counter()
+
+
+_SCALARS = (int, float, bool, str, bytes, type(None))
+
+
+def _value_key(value: Any) -> Any:
+    """A key equal only for values ``torch.save`` writes alike: scalars of exactly these types
+    (by ``repr``, so 0.0 and -0.0, 1 and 1.0 and True differ) and tuples of them; None for
+    anything else (serialized every time)."""
+    if type(value) in _SCALARS:
+        return type(value), repr(value)
+    if type(value) is tuple and len(value) <= 16:
+        keys = tuple(_value_key(v) for v in value)
+        return None if None in keys else (tuple, keys)
+    return None
 
 
 def new_key() -> str:
@@ -83,6 +99,21 @@ class CachingPlanner(DefaultSavePlanner):
             kwargs["enable_plan_caching"] = True
         super().__init__(**kwargs)
         self._cached_plans_key = key  # DCP's own cache key, one per saver
+        self._serialized: dict[Any, bytes] = {}  # a small value's key -> its torch.save bytes
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        """DCP's ``torch.save`` of a stored value, made once per distinct small value of a
+        save: a flattened optimizer stores every hyperparameter once per parameter (2315 of the
+        3158 entries of a 4 GiB Llama-shaped model + AdamW), at ~70 us a ``torch.save``, on the
+        writer threads, holding the GIL."""
+        key = _value_key(object) if write_item.type == WriteItemType.BYTE_IO else None
+        if key is None:
+            return super().transform_object(write_item, object)
+        data = self._serialized.get(key)
+        if data is None:
+            data = super().transform_object(write_item, object).getvalue()
+            self._serialized[key] = data
+        return io.BytesIO(data)
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's global planning (deduplication, global plan, metadata), validated in time
