@@ -17,6 +17,9 @@ tensor's largest dimension, and for a tensor sharded column-wise by TP and row-w
 along the dimension with the most distinct chunk offsets, which keeps the active set at the
 chunks that share one offset there.
 
+Its ``transform_object`` serializes each distinct small value once per save (an optimizer's
+hyperparameters, stored once per parameter).
+
 Where the installed torch has no plan caching (before DCP's ``enable_plan_caching``), saves plan
 every time, as before, and the count says so.
 """
