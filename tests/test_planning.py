@@ -80,10 +80,11 @@ def test_planning_scale_benchmark_small(tmp_path):
     assert (tmp_path / "planning.png").stat().st_size > 0
 
 
-def test_a_small_value_stored_many_times_is_serialized_once(tmp_path, monkeypatch):
-    """A flattened optimizer stores each hyperparameter once per parameter: a save serializes
-    each distinct value once, and every value loads back as it was, down to its type and the
-    sign of a zero (1 and 1.0, 0.0 and -0.0 are not the same value)."""
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_small_value_stored_many_times_is_serialized_once(tmp_path, monkeypatch, async_mode):
+    """A flattened optimizer stores each hyperparameter once per parameter: a save, sync or
+    from its staged copy, serializes each distinct value once, and every value loads back as it
+    was, down to its type and the sign of a zero (1 and 1.0, 0.0 and -0.0 are not the same)."""
     import io
     import math
 
@@ -110,10 +111,11 @@ def test_a_small_value_stored_many_times_is_serialized_once(tmp_path, monkeypatc
             calls.append(obj)
         return save(obj, f, *args, **kwargs)
 
-    cfg = CheckpointConfig(enable=True, interval=1)
+    cfg = CheckpointConfig(enable=True, interval=1, async_mode=async_mode)
     mgr = CheckpointManager(cfg, tmp_path, model, optimizer=opt, save_rng=False)
     monkeypatch.setattr(torch, "save", counting_save)
-    mgr.save(1, force=True)
+    assert mgr.save(1)  # an interval's save: asynchronous in the async mode
+    mgr.wait()
     monkeypatch.undo()
     mgr.close()
     values = [c for c in calls if not torch.is_tensor(c)]
@@ -122,6 +124,7 @@ def test_a_small_value_stored_many_times_is_serialized_once(tmp_path, monkeypatc
     assert len({repr(v) for v in values}) == len(values)
 
     model2, opt2 = model_and_opt(0.5, 0.5, 0.5)
+    cfg = CheckpointConfig(enable=True, interval=1)
     mgr2 = CheckpointManager(cfg, tmp_path, model2, optimizer=opt2, save_rng=False)
     assert mgr2.load() == 1
     mgr2.close()

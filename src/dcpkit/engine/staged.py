@@ -4,7 +4,6 @@ planner that takes the data from the staging buffers instead of the live tensors
 from __future__ import annotations
 
 import dataclasses
-import io
 from typing import Any
 
 import torch
@@ -45,9 +44,6 @@ class StagedPlanner(CachingPlanner):
 
     def resolve_data(self, write_item: WriteItem):  # type: ignore[no-untyped-def]
         fqn = write_item.index.fqn
-        if write_item.type == WriteItemType.BYTE_IO:
-            buf = io.BytesIO()
-            torch.save(self.staged.objects[fqn], buf)
-            buf.seek(0)
-            return buf
+        if write_item.type == WriteItemType.BYTE_IO:  # serialized as a sync save's are
+            return self.transform_object(write_item, self.staged.objects[fqn])
         return self.buffers[fqn]
