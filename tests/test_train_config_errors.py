@@ -73,3 +73,14 @@ def test_bad_toml_file(tmp_path):
         timeout=120,
     )
     assert proc.returncode != 0 and "is not valid TOML" in proc.stderr
+
+
+def test_every_rank_that_fails_says_why(monkeypatch, capsys):
+    """A rank other than 0 that stops on a bad setting prints the reason too, with its rank: the
+    first rank to exit makes torchrun stop the rest, rank 0 perhaps before it has printed."""
+    from dcpkit.train import trainer
+
+    monkeypatch.setattr(trainer.dist, "rank", lambda: 1)
+    assert trainer.main(["--job.config_file", str(CONFIG), "--checkpoint.interval", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("[rank 1] error: ") and "[checkpoint] interval" in err, err

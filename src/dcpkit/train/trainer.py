@@ -380,8 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg)
         trainer.fit()
     except (ConfigError, CheckpointError, AsyncSaveError, FileNotFoundError) as e:
-        if dist.rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
+        # Every rank that fails says why: the first rank to exit makes torchrun stop the others,
+        # rank 0 too, perhaps before it had printed the error.
+        rank = dist.rank()
+        print(f"error: {e}" if rank == 0 else f"[rank {rank}] error: {e}", file=sys.stderr)
         if torch_dist.is_initialized():
             torch_dist.destroy_process_group()
         return 2
