@@ -202,26 +202,16 @@ def worker(gib: float, work: Path, reps: int, dim: int) -> None:
     def load(verify: bool) -> None:
         assert managers[verify].load() == last
 
-    def torch_load() -> None:
-        """What a loop without dcpkit does: DCP's own reader, then set_state_dict."""
+    def torch_load(reader=None) -> None:  # type: ignore[no-untyped-def]
+        """What a loop without dcpkit does: DCP's own reader, then set_state_dict. With a
+        ``reader`` that reads no bytes: what any DCP ``StorageReader`` pays before and after
+        its bytes (the state dicts, ``.metadata``, DCP's planning and ``set_state_dict``)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(work / "torch"))
-        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-
-    def dcp_floor() -> None:
-        """What any DCP ``StorageReader`` pays before and after its bytes: the state dicts,
-        ``.metadata``, DCP's planning and ``set_state_dict``, with a reader that reads none (of
-        the ``dcp.save`` of the same state: the same entries)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, storage_reader=no_bytes_reader(str(work / "torch")))
+        dcp.load(state, checkpoint_id=str(work / "torch"), storage_reader=reader)
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
     import torch.distributed.checkpoint as dcp
@@ -237,7 +227,7 @@ def worker(gib: float, work: Path, reps: int, dim: int) -> None:
         timed("load_verify_warm_s", lambda: load(True))
         timed("torch_load_warm_s", torch_load)
         timed("raw_read_hashed_warm_s", lambda: _raw_read(mine, threads, into, hashed=True))
-        timed("dcp_floor_warm_s", dcp_floor)
+        timed("dcp_floor_warm_s", lambda: torch_load(no_bytes_reader(str(work / "torch"))))
     for _ in range(reps):
         for key, fn in (
             ("raw_read_cold_s", lambda: _raw_read(mine, threads, into)),

@@ -130,8 +130,8 @@ def records_without_crc32(fs: Any = None) -> Iterator[None]:
     also has no CRC-32 where torch's switch is process-wide; ``torch.load`` reads it the same.
 
     Torch 2.13 keeps the switch per thread, and DCP's writer serializes from threads of its
-    own: with ``fs``, the writer's file system, each stream it opens for writing turns the
-    CRC-32 off in the thread that writes it (and back, after)."""
+    own: with ``fs``, the writer's file system, each stream it opens turns the CRC-32 off in
+    the thread that uses it (and back, after)."""
     global _crc_users, _crc_before
     get = getattr(torch.serialization, "get_crc32_options", None)
     set_ = getattr(torch.serialization, "set_crc32_options", None)
@@ -150,7 +150,7 @@ def records_without_crc32(fs: Any = None) -> Iterator[None]:
         @contextlib.contextmanager
         def create_stream(path: Any, mode: str) -> Iterator[Any]:
             before = get()
-            set_(False if "w" in mode else before)
+            set_(False)
             try:
                 with create(path, mode) as stream:
                     yield stream
