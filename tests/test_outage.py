@@ -95,7 +95,18 @@ def proxy(s3):
     p.close()
 
 
-def _manager(proxy, retry_s: float):
+@pytest.fixture
+def managers(proxy):
+    """Every manager a test opens, closed while the proxy is up (a lease-renewal thread left
+    running would keep calling a stopped endpoint after the test)."""
+    opened: list[CheckpointManager] = []
+    yield opened
+    proxy.up()
+    for mgr in opened:
+        mgr.close()
+
+
+def _manager(proxy, managers, retry_s: float):
     torch.manual_seed(0)
     folder = f"s3://{BUCKET}/outage-{uuid.uuid4().hex}/checkpoint"
     cfg = CheckpointConfig(
@@ -109,11 +120,13 @@ def _manager(proxy, retry_s: float):
             "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
         },
     )
-    return CheckpointManager(cfg, ".", torch.nn.Linear(64, 64)), folder
+    mgr = CheckpointManager(cfg, ".", torch.nn.Linear(64, 64))
+    managers.append(mgr)
+    return mgr, folder
 
 
-def test_a_store_that_stays_down_fails_naming_endpoint_and_step(proxy):
-    mgr, folder = _manager(proxy, retry_s=6)
+def test_a_store_that_stays_down_fails_naming_endpoint_and_step(proxy, managers):
+    mgr, folder = _manager(proxy, managers, retry_s=6)
     mgr.save(1)
     proxy.down()
     start = time.monotonic()
@@ -129,11 +142,10 @@ def test_a_store_that_stays_down_fails_naming_endpoint_and_step(proxy):
     assert open_store(folder).published_steps() == [1]
 
 
-def test_a_store_that_comes_back_lets_the_save_complete(proxy):
-    mgr, folder = _manager(proxy, retry_s=60)
+def test_a_store_that_comes_back_lets_the_save_complete(proxy, managers):
+    mgr, folder = _manager(proxy, managers, retry_s=60)
     mgr.save(1)
     proxy.down()
     threading.Timer(4.0, proxy.up).start()
     assert mgr.save(2)
-    mgr.close()
     assert open_store(folder).published_steps() == [1, 2]
