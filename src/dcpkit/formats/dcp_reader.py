@@ -83,6 +83,7 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         done.set_result(None)
         return done
 
+    @torch.no_grad()  # grad mode is per thread: a DTensor's to_local is then a plain lookup
     def _guarded(self, fn: Any, *args: Any) -> None:
         if not self.checksums:
             fn(*args)
