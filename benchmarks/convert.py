@@ -1,7 +1,7 @@
 """Conversion benchmark: wall time and peak RSS of dcpkit's streaming conversions against
 PyTorch's ``dcp_to_torch_save`` and a raw read+write of the same bytes, measured in one run.
 
-    python benchmarks/convert.py [--gb 2] [--json results.json] [--workdir DIR]
+    python benchmarks/convert.py [--gb 2 [4 ...]] [--json results.json] [--workdir DIR]
     python benchmarks/convert.py --flavor 8B [--dtype bfloat16] ...   # a real model's shapes
 
 ``--flavor`` writes a Llama 3 flavor's exact shapes (8B: 16 GB in bfloat16), tensor by tensor
@@ -13,6 +13,8 @@ Each operation runs in its own process; its peak RSS (``ru_maxrss``) is reported
 baseline of a process that imports the same modules and converts nothing. Every operation starts
 with the page cache of the checkpoint dropped (what a job that converts a checkpoint it did not
 just write sees), the raw read+write included, so that none reads what another left cached.
+With ``--json``, the throughput plot (each conversion's GiB/s against the checkpoint's size,
+beside the raw read+write) is written next to it as PNG.
 """
 
 from __future__ import annotations
@@ -126,94 +128,123 @@ def run_op(code: str, ckpt: Path, out: Path, args: object) -> tuple[float, int]:
     return wall, hwm_kib * 1024
 
 
+def measure(work: Path, args: Llama3Args, label: str, dtype_name: str) -> dict:
+    """Every operation of ``OPS`` on a checkpoint of ``args``'s shapes; prints the table."""
+    from recovery import _evict
+
+    ckpt = work / "ckpt"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    t0 = time.perf_counter()
+    size = make_checkpoint(ckpt, args, getattr(torch, dtype_name))
+    print(
+        f"\ncheckpoint: Llama 3 {label}, {args.n_layers} layers, dim {args.dim}, vocab "
+        f"{args.vocab_size}: {size / (1 << 30):.2f} GiB {dtype_name} "
+        f"(written in {time.perf_counter() - t0:.1f}s)",
+        flush=True,
+    )
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    skipped = {}
+    if size > 0.4 * ram:
+        skipped["torch dcp_to_torch_save"] = (
+            f"holds the whole {size / 2**30:.1f} GiB checkpoint in memory; this machine has "
+            f"{ram / 2**30:.0f} GiB"
+        )
+    rows = {}
+    for name, code in OPS.items():
+        if name in skipped:
+            print(f"  skipped {name}: {skipped[name]}", flush=True)
+            continue
+        out = work / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        if name == "dcpkit from-hf":  # needs the to-hf output
+            run_op(OPS["dcpkit to-hf"], ckpt, out, args)
+        _evict(work)  # recovery.py's: fsync and drop each file's pages
+        wall, rss = run_op(code, ckpt, out, args)
+        rows[name] = {"wall_s": wall, "peak_rss_bytes": rss}
+        print(f"  measured {name}", flush=True)
+    shutil.rmtree(work / "out", ignore_errors=True)
+    base = rows["baseline (imports only)"]["peak_rss_bytes"]
+    raw = rows["raw read+write"]["wall_s"]
+    print(
+        f"\n{'operation':<26} {'wall s':>8} {'x raw':>7} {'RSS above base':>15} {'% of ckpt':>10}"
+    )
+    for name, r in rows.items():
+        above = r["peak_rss_bytes"] - base
+        r["rss_above_baseline_bytes"] = above
+        r["rss_fraction_of_checkpoint"] = above / size
+        r["wall_vs_raw"] = r["wall_s"] / raw
+        if name.startswith("baseline"):
+            print(f"{name:<26} {'':>8} {'':>7} {base / (1 << 20):>11.0f} MiB (absolute)")
+            continue
+        print(
+            f"{name:<26} {r['wall_s']:>8.2f} {r['wall_vs_raw']:>7.2f} "
+            f"{above / (1 << 20):>11.0f} MiB {100 * above / size:>9.1f}%"
+        )
+    return {
+        "checkpoint_bytes": size,
+        "dtype": dtype_name,
+        "layers": args.n_layers,
+        "results": rows,
+        "skipped": skipped,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gb", type=float, default=2.0, help="checkpoint size in GiB (default 2)")
+    parser.add_argument(
+        "--gb", type=float, nargs="+", default=[2.0], help="checkpoint sizes, GiB (default 2)"
+    )
     parser.add_argument("--flavor", help="a Llama 3 flavor's shapes (e.g. 8B) instead of --gb")
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16"], help="default: float32, bfloat16 with --flavor"
     )
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--png", type=Path, help="throughput plot (default: next to --json)")
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder)")
     opts = parser.parse_args()
-    from recovery import _evict
-
+    if opts.flavor and opts.flavor not in LLAMA3_FLAVORS:
+        parser.error(f"--flavor: one of {', '.join(LLAMA3_FLAVORS)}")
+    shapes = (
+        [(opts.flavor, LLAMA3_FLAVORS[opts.flavor])]
+        if opts.flavor
+        else [("shape", bench_args(gb)) for gb in opts.gb]
+    )
+    dtype_name = opts.dtype or ("bfloat16" if opts.flavor else "float32")
     work = Path(tempfile.mkdtemp(prefix="dcpkit-bench-", dir=opts.workdir))
     try:
-        if opts.flavor:
-            if opts.flavor not in LLAMA3_FLAVORS:
-                parser.error(f"--flavor: one of {', '.join(LLAMA3_FLAVORS)}")
-            args = LLAMA3_FLAVORS[opts.flavor]
-        else:
-            args = bench_args(opts.gb)
-        dtype_name = opts.dtype or ("bfloat16" if opts.flavor else "float32")
-        ckpt = work / "ckpt"
-        t0 = time.perf_counter()
-        size = make_checkpoint(ckpt, args, getattr(torch, dtype_name))
-        print(
-            f"checkpoint: Llama 3 {opts.flavor or 'shape'}, {args.n_layers} layers, dim "
-            f"{args.dim}, vocab {args.vocab_size}: {size / (1 << 30):.2f} GiB {dtype_name} "
-            f"(written in {time.perf_counter() - t0:.1f}s)",
-            flush=True,
-        )
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        skipped = {}
-        if size > 0.4 * ram:
-            skipped["torch dcp_to_torch_save"] = (
-                f"holds the whole {size / 2**30:.1f} GiB checkpoint in memory; this machine has "
-                f"{ram / 2**30:.0f} GiB"
-            )
-        rows = {}
-        for name, code in OPS.items():
-            if name in skipped:
-                print(f"  skipped {name}: {skipped[name]}", flush=True)
-                continue
-            out = work / "out"
-            shutil.rmtree(out, ignore_errors=True)
-            out.mkdir()
-            if name == "dcpkit from-hf":  # needs the to-hf output
-                run_op(OPS["dcpkit to-hf"], ckpt, out, args)
-            _evict(work)  # recovery.py's: fsync and drop each file's pages
-            wall, rss = run_op(code, ckpt, out, args)
-            rows[name] = {"wall_s": wall, "peak_rss_bytes": rss}
-            print(f"  measured {name}", flush=True)
-        base = rows["baseline (imports only)"]["peak_rss_bytes"]
-        raw = rows["raw read+write"]["wall_s"]
-        print(
-            f"\n{'operation':<26} {'wall s':>8} {'x raw':>7} {'RSS above base':>15} "
-            f"{'% of ckpt':>10}"
-        )
-        for name, r in rows.items():
-            above = r["peak_rss_bytes"] - base
-            r["rss_above_baseline_bytes"] = above
-            r["rss_fraction_of_checkpoint"] = above / size
-            r["wall_vs_raw"] = r["wall_s"] / raw
-            if name.startswith("baseline"):
-                print(f"{name:<26} {'':>8} {'':>7} {base / (1 << 20):>11.0f} MiB (absolute)")
-                continue
-            print(
-                f"{name:<26} {r['wall_s']:>8.2f} {r['wall_vs_raw']:>7.2f} "
-                f"{above / (1 << 20):>11.0f} MiB {100 * above / size:>9.1f}%"
-            )
-        if opts.json:
-            opts.json.write_text(
-                json.dumps(
-                    {
-                        "checkpoint_bytes": size,
-                        "flavor": opts.flavor,
-                        "dtype": dtype_name,
-                        "layers": args.n_layers,
-                        "results": rows,
-                        "skipped": skipped,
-                    },
-                    indent=2,
-                )
-                + "\n"
-            )
-            print(f"\nwrote {opts.json}")
+        sizes = [measure(work, args, label, dtype_name) for label, args in shapes]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if opts.json:
+        data = {"flavor": opts.flavor, "sizes": sizes}
+        opts.json.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"\nwrote {opts.json}")
+    png = opts.png or (opts.json.with_suffix(".png") if opts.json else None)
+    if png:
+        _plot(sizes, opts.flavor, png)
+        print(f"wrote {png}")
     return 0
+
+
+def _plot(sizes: list[dict], flavor: str | None, png: Path) -> None:
+    """GiB/s of each conversion (the checkpoint's bytes over its wall time) against the
+    checkpoint's size, beside the raw read+write of the same bytes."""
+    from _plot import throughput_png
+
+    def series(name: str) -> tuple[str, list[tuple[float, float]]]:
+        points = []
+        for entry in sizes:
+            gib = entry["checkpoint_bytes"] / (1 << 30)
+            if name in entry["results"]:
+                points.append((gib, gib / entry["results"][name]["wall_s"]))
+        return name, points
+
+    ops = [n for n in OPS if not n.startswith(("baseline", "raw"))]
+    pairs = [(series(ops[0]), series("raw read+write"))]
+    pairs += [(series(name), None) for name in ops[1:] if series(name)[1]]
+    what = f"Llama 3 {flavor}" if flavor else "Llama 3 shapes"
+    throughput_png(png, f"Conversions vs a raw read + write: {what}", {"conversions": pairs})
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """IO at the limit: checkpoint save and load against raw IO of the same bytes, in one run.
 
-    python benchmarks/io_speed.py [--gb 4] [--dim 1024] [--nproc 1 2] [--reps 3] [--json PATH]
+    python benchmarks/io_speed.py [--gb 4 [2 ...]] [--dim 1024] [--nproc 1 2] [--reps 5]
+        [--json PATH] [--png PATH]
 
-For each world size, a Llama-shaped model + AdamW state of about ``--gb`` GiB (width ``--dim``,
-as many layers as that takes) is FSDP-sharded over the ranks (torchrun, gloo). Everything timed
-goes through ``CheckpointManager``'s public API, slowest rank, all ranks starting together:
+For each state size and world size, a Llama-shaped model + AdamW state of about ``--gb`` GiB
+(width ``--dim``, as many layers as that takes) is FSDP-sharded over the ranks (torchrun, gloo).
+Everything timed goes through ``CheckpointManager``'s public API, slowest rank, all ranks
+starting together:
 - sync save (``save()`` of a full checkpoint, durable and published, by a manager that has
   saved before, as every save of a run but its first) against a raw write of each rank's state
   bytes with as many threads as the checkpoint writer has, a file each, each fsynced, each
@@ -19,7 +21,9 @@ goes through ``CheckpointManager``'s public API, slowest rank, all ranks startin
 - two floors, warm: DCP's own steps of a load with a reader that reads no bytes (the state
   dicts, ``.metadata``, planning, ``set_state_dict``: what any DCP ``StorageReader`` adds to its
   reads), and the raw parallel read hashing every byte as it lands (what any verification adds).
-Medians over ``--reps`` runs.
+Medians over ``--reps`` runs. With ``--json``, the throughput plot (GiB/s of save, warm load
+and cold load against the checkpoint's size, beside the raw IO, a panel per world size) is
+written next to it as PNG.
 """
 
 from __future__ import annotations
@@ -271,73 +275,120 @@ ROWS = [
 ]
 
 
+def _run(gb: float, nproc: int, opts: argparse.Namespace) -> dict | None:
+    """One torchrun job at ``gb`` GiB on ``nproc`` ranks; prints its table; None on failure."""
+    work = Path(tempfile.mkdtemp(prefix="dcpkit-io-", dir=opts.workdir))
+    try:
+        args = ["--gb", str(gb), "--reps", str(opts.reps), "--dim", str(opts.dim)]
+        args += ["--worker", str(work)]
+        job = run_ranks(__file__, nproc, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if job.returncode != 0 or job.ranks is None:
+        print(job.tail, file=sys.stderr)
+        return None
+    ranks = job.ranks
+    slowest = {k: max(r[k] for r in ranks) for k in ranks[0] if k.endswith("_s")}
+    size = ranks[0]["checkpoint_bytes"]
+    state = sum(r["rank_bytes"] for r in ranks)
+    result = {"gb": gb, "nproc": nproc, "slowest": slowest, "ranks": ranks}
+    result["checkpoint_bytes"] = size
+    count = ranks[0]["tensors"]
+    print(
+        f"\n{nproc} rank(s): {state / (1 << 30):.2f} GiB of model + AdamW state (width "
+        f"{opts.dim}, {ranks[0]['layers']} layers: {count} tensors of "
+        f"{state / count / (1 << 20):.1f} MiB on average), checkpoint "
+        f"{size / (1 << 30):.2f} GiB, {ranks[0]['threads']} read threads per rank"
+    )
+    print("| operation | seconds | GiB/s | baseline | baseline GiB/s | x baseline |")
+    print("|---|---|---|---|---|---|")
+    for name, key, base, base_name in ROWS:
+        s, b = slowest[key], slowest[base]
+        gbps = size / (1 << 30) / s
+        print(
+            f"| {name} | {s:.3f} | {gbps:.2f} | {base_name} | "
+            f"{size / (1 << 30) / b:.2f} | {b / s:.2f} |"
+        )
+    verify_cost = slowest["load_verify_warm_s"] / slowest["load_warm_s"] - 1
+    print(f"verify-on-load costs {100 * verify_cost:+.1f}% (warm)")
+    raw, floor = slowest["raw_read_warm_s"], slowest["dcp_floor_warm_s"]
+    ours = raw / slowest["load_warm_s"]
+    print(
+        f"DCP's own steps of a load, no bytes read (its FileSystemReader reading none: state "
+        f"dicts, .metadata, planning, set_state_dict): {floor:.3f} s; raw + that: "
+        f"{raw / (raw + floor):.2f} x raw; dcpkit's warm load: {ours:.2f} x raw"
+    )
+    hashed = slowest["raw_read_hashed_warm_s"]
+    print(
+        f"the raw read hashing every byte as it lands (xxh3-64): {hashed:.3f} s, "
+        f"{100 * (hashed / raw - 1):+.1f}% over the raw read, "
+        f"{100 * (hashed - raw) / slowest['load_warm_s']:+.1f}% of dcpkit's warm load"
+    )
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gb", type=float, default=4.0)
+    parser.add_argument(
+        "--gb", type=float, nargs="+", default=[4.0], help="state sizes, GiB (a run each)"
+    )
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
         "--dim", type=int, default=1024, help="model width (layers are added to reach --gb)"
     )
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--png", type=Path, help="throughput plot (default: next to --json)")
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker:
-        worker(opts.gb, opts.worker, opts.reps, opts.dim)
+        worker(opts.gb[0], opts.worker, opts.reps, opts.dim)
         return 0
-    results = {}
-    for nproc in opts.nproc:
-        work = Path(tempfile.mkdtemp(prefix="dcpkit-io-", dir=opts.workdir))
-        try:
-            args = ["--gb", str(opts.gb), "--reps", str(opts.reps), "--dim", str(opts.dim)]
-            args += ["--worker", str(work)]
-            job = run_ranks(__file__, nproc, args)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        if job.returncode != 0 or job.ranks is None:
-            print(job.tail, file=sys.stderr)
-            return 1
-        ranks = job.ranks
-        slowest = {k: max(r[k] for r in ranks) for k in ranks[0] if k.endswith("_s")}
-        size = ranks[0]["checkpoint_bytes"]
-        state = sum(r["rank_bytes"] for r in ranks)
-        results[nproc] = {"slowest": slowest, "ranks": ranks, "checkpoint_bytes": size}
-        count = ranks[0]["tensors"]
-        print(
-            f"\n{nproc} rank(s): {state / (1 << 30):.2f} GiB of model + AdamW state (width "
-            f"{opts.dim}, {ranks[0]['layers']} layers: {count} tensors of "
-            f"{state / count / (1 << 20):.1f} MiB on average), checkpoint "
-            f"{size / (1 << 30):.2f} GiB, {ranks[0]['threads']} read threads per rank"
-        )
-        print("| operation | seconds | GiB/s | baseline | baseline GiB/s | x baseline |")
-        print("|---|---|---|---|---|---|")
-        for name, key, base, base_name in ROWS:
-            s, b = slowest[key], slowest[base]
-            gbps = size / (1 << 30) / s
-            print(
-                f"| {name} | {s:.3f} | {gbps:.2f} | {base_name} | "
-                f"{size / (1 << 30) / b:.2f} | {b / s:.2f} |"
-            )
-        verify_cost = slowest["load_verify_warm_s"] / slowest["load_warm_s"] - 1
-        print(f"verify-on-load costs {100 * verify_cost:+.1f}% (warm)")
-        raw, floor = slowest["raw_read_warm_s"], slowest["dcp_floor_warm_s"]
-        ours = raw / slowest["load_warm_s"]
-        print(
-            f"DCP's own steps of a load, no bytes read (its FileSystemReader reading none: state "
-            f"dicts, .metadata, planning, set_state_dict): {floor:.3f} s; raw + that: "
-            f"{raw / (raw + floor):.2f} x raw; dcpkit's warm load: {ours:.2f} x raw"
-        )
-        hashed = slowest["raw_read_hashed_warm_s"]
-        print(
-            f"the raw read hashing every byte as it lands (xxh3-64): {hashed:.3f} s, "
-            f"{100 * (hashed / raw - 1):+.1f}% over the raw read, "
-            f"{100 * (hashed - raw) / slowest['load_warm_s']:+.1f}% of dcpkit's warm load"
-        )
+    runs = []
+    for gb in opts.gb:
+        for nproc in opts.nproc:
+            run = _run(gb, nproc, opts)
+            if run is None:
+                return 1
+            runs.append(run)
     if opts.json:
-        opts.json.write_text(json.dumps(results, indent=2) + "\n")
+        opts.json.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
         print(f"\nwrote {opts.json}")
+    png = opts.png or (opts.json.with_suffix(".png") if opts.json else None)
+    if png:
+        _plot(runs, opts.dim, png)
+        print(f"wrote {png}")
     return 0
+
+
+PLOTTED = [  # (operation, its baseline), as in ROWS
+    ("sync save", "raw write + fsync"),
+    ("load, page cache warm", "raw parallel read"),
+    ("load, page cache dropped", "raw parallel read"),
+]
+
+
+def _plot(runs: list[dict], dim: int, png: Path) -> None:
+    """GiB/s of each operation of ``PLOTTED`` against the checkpoint's size, a panel per world
+    size, beside its raw baseline of the same run."""
+    from _plot import throughput_png
+
+    keys = {name: (key, base) for name, key, base, _ in ROWS}
+    panels: dict[str, list] = {}
+    for nproc in sorted({r["nproc"] for r in runs}):
+        mine = [r for r in runs if r["nproc"] == nproc]
+        pairs = []
+        for name, base_name in PLOTTED:
+            key, base = keys[name]
+            gib = [r["checkpoint_bytes"] / (1 << 30) for r in mine]
+            ours = [(g, g / r["slowest"][key]) for g, r in zip(gib, mine)]
+            raw = [(g, g / r["slowest"][base]) for g, r in zip(gib, mine)]
+            where = name.split(", ")[-1] if name.startswith("load") else ""
+            raw_name = f"{base_name}, {where}" if where else base_name
+            pairs.append(((name, ours), (raw_name, raw)))
+        panels[f"{nproc} rank{'s' if nproc > 1 else ''}"] = pairs
+    throughput_png(png, f"CheckpointManager vs raw IO: model + AdamW, width {dim}", panels)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ def test_convert_benchmark_small(tmp_path):
             str(ROOT / "benchmarks" / "convert.py"),
             "--gb",
             "0.6",
+            "0.85",
             "--json",
             str(out),
             "--workdir",
@@ -28,7 +29,8 @@ def test_convert_benchmark_small(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, large = json.loads(out.read_text())["sizes"]
+    assert 1.2 * data["checkpoint_bytes"] < large["checkpoint_bytes"]
     results = data["results"]
     assert set(results) >= {
         "raw read+write",
@@ -37,12 +39,17 @@ def test_convert_benchmark_small(tmp_path):
         "dcpkit from-hf",
         "torch dcp_to_torch_save",
     }
+    assert set(large["results"]) == set(results)
     assert data["checkpoint_bytes"] > 0.5 * (1 << 30)
     # PyTorch's consolidation holds the whole checkpoint; the streaming ones do not.
     ref = results["torch dcp_to_torch_save"]["rss_above_baseline_bytes"]
     for name in ("dcpkit to-torch", "dcpkit to-hf", "dcpkit from-hf"):
         assert results[name]["rss_above_baseline_bytes"] < 0.75 * ref, name
-    assert "x raw" in proc.stdout
+    assert proc.stdout.count("x raw") == 2
+    assert f"wrote {out.with_suffix('.png')}" in proc.stdout
+    import matplotlib.image
+
+    assert matplotlib.image.imread(out.with_suffix(".png")).shape[1] > 0
 
 
 def test_moe_convert_benchmark_small(tmp_path):
@@ -97,22 +104,31 @@ def test_model_io_benchmark_small(tmp_path):
 
 
 def test_io_speed_benchmark_small(tmp_path):
-    """The IO benchmark at a toy size: every operation and both floors measured at 1 and 2
-    ranks, beside their raw baselines."""
+    """The IO benchmark at two toy sizes: every operation and both floors measured at 1 and 2
+    ranks, beside their raw baselines; the throughput plot written next to the JSON, a panel
+    per world size."""
     out = tmp_path / "io_speed.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "io_speed.py"), "--gb", "0.1"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "io_speed.py"), "--gb", "0.2", "0.3"]
     cmd += ["--dim", "256", "--nproc", "1", "2", "--reps", "1", "--json", str(out)]
     cmd += ["--workdir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert set(data) == {"1", "2"}
-    for nproc, run in data.items():
-        s = run["slowest"]
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted((r["gb"], r["nproc"]) for r in runs) == [(0.2, 1), (0.2, 2), (0.3, 1), (0.3, 2)]
+    for run in runs:
+        s, where = run["slowest"], (run["gb"], run["nproc"])
         for key in ("save_s", "raw_write_fsync_s", "load_warm_s", "load_verify_cold_s"):
-            assert s[key] > 0, (nproc, key)
+            assert s[key] > 0, (where, key)
         for key in ("raw_read_warm_s", "raw_read_hashed_warm_s", "dcp_floor_warm_s"):
-            assert s[key] > 0, (nproc, key)
+            assert s[key] > 0, (where, key)
         assert sum(r["rank_bytes"] for r in run["ranks"]) >= 0.9 * run["checkpoint_bytes"]
-    assert proc.stdout.count("DCP's own steps of a load") == 2
-    assert proc.stdout.count("hashing every byte as it lands") == 2
+    sizes = {r["gb"]: r["checkpoint_bytes"] for r in runs if r["nproc"] == 1}
+    assert sizes[0.3] > 1.3 * sizes[0.2]
+    assert proc.stdout.count("DCP's own steps of a load") == 4
+    assert proc.stdout.count("hashing every byte as it lands") == 4
+    png = out.with_suffix(".png")
+    assert f"wrote {png}" in proc.stdout
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert width > 1.8 * height  # two panels side by side: 1 rank, 2 ranks
