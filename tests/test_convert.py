@@ -352,3 +352,29 @@ def test_seed_spellings_of_convert_to_hf(stopped_run, tmp_path):
     tensors = _hf_tensors(tmp_path / "hf")
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_recycled_blocks_reuse_only_what_nothing_holds():
+    """Inside ``recycled_blocks`` a block's memory is handed out again once nothing uses it (a
+    tensor of it, or a view of that tensor, keeps it); outside, every block is fresh."""
+    from dcpkit.formats.blocks import block, empty, recycled_blocks
+
+    with recycled_blocks():
+        a = torch.frombuffer(block(1 << 20), dtype=torch.uint8)
+        a.fill_(1)
+        first = a.data_ptr()
+        kept = a[10:20]  # a view of the tensor holds the block
+        del a
+        b = torch.frombuffer(block(1 << 20), dtype=torch.uint8)
+        assert b.data_ptr() != first
+        b.fill_(2)
+        assert bool((kept == 1).all())  # not overwritten
+        del kept
+        c = empty((256, 1024), torch.float32)  # 1 MiB: the first block is free again
+        assert c.data_ptr() == first and c.shape == (256, 1024)
+        second = b.data_ptr()
+        del b
+        small = empty((3,), torch.float64)  # a smaller block fits in a free larger one
+        assert small.data_ptr() == second
+    fresh = block(1 << 10)
+    assert isinstance(fresh, bytearray) and not any(fresh)  # outside: fresh zeros

@@ -22,6 +22,7 @@ from dcpkit.convert.fp8 import dequantizing
 from dcpkit.convert.hf_files import copy_tokenizer, find_tokenizer, special_ids, write_json
 from dcpkit.convert.hf_verify import verify_dcp_tensors, verify_hf_tensors, verify_logits
 from dcpkit.convert.views import FromHF, ToHF
+from dcpkit.formats.blocks import recycled_blocks
 from dcpkit.formats.dcp import DCPCheckpoint, meta_tensor, write_dcp
 from dcpkit.formats.safetensors import SafetensorsFolder, SafetensorsWriter
 from dcpkit.layout import MODEL, dtype_name
@@ -162,7 +163,7 @@ def write_hf_folder(
         metadata={"source": "dcpkit", "family": adapter.family, "flavor": flavor},
         digests=digests,
     )
-    with progress(writer.total_size, "to-hf") as bar:
+    with progress(writer.total_size, "to-hf") as bar, recycled_blocks():
         for hf in view.names():
             itemsize = view.dtype(hf).itemsize
             for rows in row_blocks(view.shape(hf), itemsize, budget, view.row_block(hf)):
@@ -232,14 +233,15 @@ def from_hf(
                 tmp = pending.scratch()
                 # DCP's writer holds the block it wrote while the next one is produced: two
                 # blocks of half the budget each.
-                write_dcp(
-                    tmp,
-                    state,
-                    produce,
-                    max_chunk_bytes=budget // 2,
-                    row_block=row_block,
-                    digests=pending.digests,
-                )
+                with recycled_blocks():
+                    write_dcp(
+                        tmp,
+                        state,
+                        produce,
+                        max_chunk_bytes=budget // 2,
+                        row_block=row_block,
+                        digests=pending.digests,
+                    )
                 manifest = build_manifest(
                     None,
                     1,

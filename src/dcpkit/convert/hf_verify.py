@@ -12,6 +12,7 @@ import torch
 from dcpkit.convert.adapters import ConversionError, ModelAdapter
 from dcpkit.convert.common import max_abs_diff, row_blocks
 from dcpkit.convert.views import FromHF
+from dcpkit.formats.blocks import recycled_blocks
 from dcpkit.formats.dcp import DCPCheckpoint
 from dcpkit.formats.safetensors import SafetensorsFolder
 
@@ -21,7 +22,11 @@ def verify_hf_tensors(
 ) -> float:
     """Read every written tensor back and compare it with the source seen through the plan
     (``view``: the source by HF key, transforms applied)."""
-    written = SafetensorsFolder(folder)
+    with recycled_blocks():
+        return _compare_hf(view, SafetensorsFolder(folder), out_dtype, budget)
+
+
+def _compare_hf(view: Any, written: Any, out_dtype: dict[str, torch.dtype], budget: int) -> float:
     worst = 0.0
     for hf in view.names():
         for rows in row_blocks(view.shape(hf), view.dtype(hf).itemsize, budget, view.row_block(hf)):
@@ -91,7 +96,7 @@ def verify_dcp_tensors(
     """Read every tensor of the written DCP folder back and compare it with the HF source
     (``view``: the source by TorchTitan key)."""
     worst = 0.0
-    with DCPCheckpoint(folder) as written:
+    with DCPCheckpoint(folder) as written, recycled_blocks():
         for canon in view.names():
             for rows in row_blocks(
                 view.shape(canon), view.dtype(canon).itemsize, budget, view.row_block(canon)

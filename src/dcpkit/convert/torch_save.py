@@ -15,6 +15,7 @@ import torch
 
 from dcpkit.convert.common import DEFAULT_BUDGET, output, progress, row_blocks
 from dcpkit.convert.hf import ConversionResult
+from dcpkit.formats.blocks import recycled_blocks
 from dcpkit.formats.dcp import DCPCheckpoint, meta_tensor, nest, write_dcp
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile, UnsupportedContent, walk_refs
 from dcpkit.formats.torchfile_write import TensorSpec, TorchSaveWriter
@@ -51,7 +52,7 @@ def to_torch(
         total = sum(src.nbytes(k) for k in keys)
         with output(out, is_dir=False, force=force, storage_options=storage_options) as pending:
             writer = TorchSaveWriter(pending.scratch(), nest(flat), leaves)
-            with progress(total, "to-torch") as bar:
+            with progress(total, "to-torch") as bar, recycled_blocks():
                 for k in keys:
                     for rows in row_blocks(src.shape(k), src.dtype(k).itemsize, budget):
                         t = src.read(k, rows)
@@ -101,9 +102,14 @@ def from_torch(
                 bar.update(t.numel() * t.element_size())
                 return t
 
-            write_dcp(
-                pending.scratch(), state, produce, max_chunk_bytes=budget, digests=pending.digests
-            )
+            with recycled_blocks():
+                write_dcp(
+                    pending.scratch(),
+                    state,
+                    produce,
+                    max_chunk_bytes=budget,
+                    digests=pending.digests,
+                )
             groups = sorted({k.split(".", 1)[0] if not is_model_key(k) else MODEL for k in refs})
             files = pending.describe(pending.local_files())
             pending.write_manifest(build_manifest(None, 1, groups, files, source=str(pth)))

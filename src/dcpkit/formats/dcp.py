@@ -2,9 +2,8 @@
 
 Reading uses DCP's own metadata (``.metadata``: every tensor's global shape, dtype and saved
 chunks, and where each chunk's bytes lie) and reads only the chunks, and rows, asked for.
-Writing goes through ``torch.distributed.checkpoint.save`` with a planner that produces each
-tensor only when the writer asks for it, and splits tensors above the memory budget into
-row chunks, as if several ranks had saved them.
+Writing: ``dcp.save`` with a planner that produces each tensor only when the writer asks for
+it, splitting tensors above the memory budget into row chunks, as if several ranks saved them.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dcpkit.dist import quiet_single_process, records_without_crc32
 from dcpkit.errors import first_failure, out_of_space
+from dcpkit.formats import blocks
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.layout import MANIFEST, METADATA, MODEL, is_model_key
 from dcpkit.manifest import HashingFileSystem, parse_manifest
@@ -212,7 +212,7 @@ class DCPCheckpoint:
                 archive, ref = self._chunk(fqn, chunk)
                 local = None if span is None else (span[0] - o[0], span[1] - o[0])
                 return archive.read(ref, local).view(shape)
-        out = torch.empty(shape, dtype=md.properties.dtype)
+        out = blocks.empty(shape, md.properties.dtype)  # each row block assembled here
         for chunk in md.chunks:
             offsets, sizes = list(chunk.offsets), list(chunk.sizes)
             local_rows = None

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dcpkit.formats.base import TensorTable
+from dcpkit.formats.blocks import block
 from dcpkit.layout import HF_INDEX, HF_SINGLE
 from dcpkit.manifest import HashingStream
 from dcpkit.safe_pickle import check_file_name, check_inside
@@ -191,7 +192,7 @@ class SafetensorsFolder(TensorTable):
         if f is None:
             f = self._handles[st.file] = self._open(st.file)
         f.seek(st.start + first * row_bytes)  # type: ignore[attr-defined]
-        buf = bytearray(n)
+        buf = block(n)
         if f.readinto(buf) != n:  # type: ignore[attr-defined]
             raise ValueError(f"{st.file} is truncated inside {key}")
         if n == 0:

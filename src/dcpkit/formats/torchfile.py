@@ -22,6 +22,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from dcpkit.formats.blocks import block
+
 
 class UnsupportedContent(ValueError):
     """The file holds something other than tensors and plain Python values."""
@@ -352,10 +354,10 @@ class TorchSaveFile:
                 f"holds {size}: the file is corrupt"
             )
 
-    def _read_bytes(self, record: str, offset: int, length: int) -> bytearray:
+    def _read_bytes(self, record: str, offset: int, length: int) -> bytearray | memoryview:
         # Checked first: never allocate what the file does not hold (a corrupt or hostile pickle).
         self._check_span(record, offset, length)
-        buf = bytearray(length)
+        buf = block(length)
         self._read_exactly(record, offset, buf)
         return buf
 
@@ -377,10 +379,8 @@ hashed afterwards; loading 4 GiB of ~5 MiB tensors with 2 threads, block sizes f
 whole tensors were within the noise (+15-25%)."""
 
 
-def _from_bytes(buf: bytearray, dtype: torch.dtype) -> torch.Tensor:
-    if len(buf) == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype)
+def _from_bytes(buf: bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    return torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype)
 
 
 def _walk(obj: Any, leaf_type: type, fn: Callable[[str, Any], None], prefix: str) -> None:

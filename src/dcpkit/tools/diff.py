@@ -16,6 +16,7 @@ import torch
 from dcpkit.convert.adapters import get_adapter
 from dcpkit.convert.common import DEFAULT_BUDGET, max_abs_diff, row_blocks
 from dcpkit.convert.views import FromHF
+from dcpkit.formats.blocks import recycled_blocks
 from dcpkit.formats.sources import HF, open_source
 from dcpkit.layout import is_model_key
 from dcpkit.storage import open_checkpoint
@@ -144,10 +145,12 @@ def _diff(sa: Any, sb: Any, family: str, budget: int) -> DiffResult:
                 getattr(right, "row_block", lambda n: 1)(name),
             )
             worst, equal = 0.0, True
-            for rows in row_blocks(sha, max(dta.itemsize, dtb.itemsize), budget, block):
-                x, y = left.read(name, rows), right.read(name, rows)
-                equal &= torch.equal(x, y) if dta == dtb else False
-                worst = max(worst, max_abs_diff(x, y))
+            with recycled_blocks():
+                for rows in row_blocks(sha, max(dta.itemsize, dtb.itemsize), budget, block):
+                    x, y = left.read(name, rows), right.read(name, rows)
+                    equal &= torch.equal(x, y) if dta == dtb else False
+                    worst = max(worst, max_abs_diff(x, y))
+                    del x, y  # their buffers serve the next block
             result.tensors.append(TensorDiff(name, worst, equal))
     finally:
         sa.close()
