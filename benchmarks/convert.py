@@ -42,12 +42,13 @@ IMPORTS = (
 )
 OPS = {
     "baseline (imports only)": "pass",
-    "raw read+write": (
+    "raw read+write": (  # into one reused buffer: no allocation per block
         "import os, pathlib\n"
         "out = open(OUT + '/raw.bin', 'wb')\n"
+        "buf = memoryview(bytearray(16 << 20))\n"
         "for p in sorted(pathlib.Path(CKPT).iterdir()):\n"
-        "    with open(p, 'rb') as f:\n"
-        "        while b := f.read(16 << 20): out.write(b)\n"
+        "    with open(p, 'rb', buffering=0) as f:\n"
+        "        while n := f.readinto(buf): out.write(buf[:n])\n"
         "out.flush(); os.fsync(out.fileno()); out.close()"
     ),
     "dcpkit to-torch": "dcpkit.convert.torch_save.to_torch(CKPT, OUT + '/model.pth')",
