@@ -4,9 +4,10 @@ A conversion reads a checkpoint a block at a time (at most its budget, 256 MiB b
 writes each block before it reads the next. A fresh buffer per block costs the kernel's first
 touch of every page: on this project's 2-core machine a read into fresh memory runs at 2.3 GiB/s,
 into memory touched before at 16 GiB/s. Inside ``recycled_blocks()``, the format readers take
-their buffers from a small pool, and a buffer is handed out again only once nothing refers to it
-any more (no tensor, view or memoryview of it is alive: its reference count says so), so a
-caller that keeps a block, or several, keeps them intact. Outside, every read gets fresh memory.
+their buffers from a small pool of this thread, and a buffer is handed out again only once
+nothing uses it any more (the memoryview handed out, which a tensor made of it holds, is gone),
+so a caller that keeps a block, or several, keeps them intact. Outside, every read gets fresh
+memory.
 """
 
 from __future__ import annotations
