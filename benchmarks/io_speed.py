@@ -21,9 +21,9 @@ starting together:
 - two floors, warm: DCP's own steps of a load with a reader that reads no bytes (the state
   dicts, ``.metadata``, planning, ``set_state_dict``: what any DCP ``StorageReader`` adds to its
   reads), and the raw parallel read hashing every byte as it lands (what any verification adds).
-Medians over ``--reps`` runs. With ``--json``, the throughput plot (GiB/s of save, warm load
-and cold load against the checkpoint's size, beside the raw IO, a panel per world size) is
-written next to it as PNG.
+Medians over ``--reps`` runs, each running the loads in a rotated order. With ``--json``, the
+throughput plot (GiB/s of save, warm load and cold load against the checkpoint's size, beside
+the raw IO, a panel per world size) is written next to it as PNG.
 """
 
 from __future__ import annotations
@@ -225,20 +225,27 @@ def worker(gib: float, work: Path, reps: int, dim: int) -> None:
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(work / "torch"))
     del msd, osd
 
-    for _ in range(reps):
-        timed("raw_read_warm_s", lambda: _raw_read(mine, threads, into))
-        timed("load_warm_s", lambda: load(False))
-        timed("load_verify_warm_s", lambda: load(True))
-        timed("torch_load_warm_s", torch_load)
-        timed("raw_read_hashed_warm_s", lambda: _raw_read(mine, threads, into, hashed=True))
-        timed("dcp_floor_warm_s", lambda: torch_load(no_bytes_reader(str(work / "torch"))))
-    for _ in range(reps):
-        for key, fn in (
-            ("raw_read_cold_s", lambda: _raw_read(mine, threads, into)),
-            ("load_cold_s", lambda: load(False)),
-            ("load_verify_cold_s", lambda: load(True)),
-            ("torch_load_cold_s", torch_load),
-        ):
+    warm = [
+        ("raw_read_warm_s", lambda: _raw_read(mine, threads, into)),
+        ("load_warm_s", lambda: load(False)),
+        ("load_verify_warm_s", lambda: load(True)),
+        ("torch_load_warm_s", torch_load),
+        ("raw_read_hashed_warm_s", lambda: _raw_read(mine, threads, into, hashed=True)),
+        ("dcp_floor_warm_s", lambda: torch_load(no_bytes_reader(str(work / "torch")))),
+    ]
+    cold = [
+        ("raw_read_cold_s", lambda: _raw_read(mine, threads, into)),
+        ("load_cold_s", lambda: load(False)),
+        ("load_verify_cold_s", lambda: load(True)),
+        ("torch_load_cold_s", torch_load),
+    ]
+    # Each repetition starts one operation further along: none is always first or always
+    # right after another.
+    for rep in range(reps):
+        for key, fn in warm[rep % len(warm) :] + warm[: rep % len(warm)]:
+            timed(key, fn)
+    for rep in range(reps):
+        for key, fn in cold[rep % len(cold) :] + cold[: rep % len(cold)]:
             if rank == 0:
                 _evict(ckpt)
                 _evict(work / "torch")
