@@ -369,10 +369,10 @@ def main() -> int:
     return 0
 
 
-PLOTTED = [  # (operation, its baseline), as in ROWS
+PLOTTED = [  # (operation of ROWS, the label of its baseline in the plot)
     ("sync save", "raw write + fsync"),
-    ("load, page cache warm", "raw parallel read"),
-    ("load, page cache dropped", "raw parallel read"),
+    ("load, page cache warm", "raw parallel read, page cache warm"),
+    ("load, page cache dropped", "raw parallel read, page cache dropped"),
 ]
 
 
@@ -386,13 +386,11 @@ def _plot(runs: list[dict], dim: int, png: Path) -> None:
     for nproc in sorted({r["nproc"] for r in runs}):
         mine = [r for r in runs if r["nproc"] == nproc]
         pairs = []
-        for name, base_name in PLOTTED:
+        gib = [r["checkpoint_bytes"] / (1 << 30) for r in mine]
+        for name, raw_name in PLOTTED:
             key, base = keys[name]
-            gib = [r["checkpoint_bytes"] / (1 << 30) for r in mine]
             ours = [(g, g / r["slowest"][key]) for g, r in zip(gib, mine)]
             raw = [(g, g / r["slowest"][base]) for g, r in zip(gib, mine)]
-            where = name.split(", ")[-1] if name.startswith("load") else ""
-            raw_name = f"{base_name}, {where}" if where else base_name
             pairs.append(((name, ours), (raw_name, raw)))
         panels[f"{nproc} rank{'s' if nproc > 1 else ''}"] = pairs
     throughput_png(png, f"CheckpointManager vs raw IO: model + AdamW, width {dim}", panels)

@@ -22,23 +22,21 @@ def verify_hf_tensors(
 ) -> float:
     """Read every written tensor back and compare it with the source seen through the plan
     (``view``: the source by HF key, transforms applied)."""
-    with recycled_blocks():
-        return _compare_hf(view, SafetensorsFolder(folder), out_dtype, budget)
-
-
-def _compare_hf(view: Any, written: Any, out_dtype: dict[str, torch.dtype], budget: int) -> float:
+    written = SafetensorsFolder(folder)
     worst = 0.0
-    for hf in view.names():
-        for rows in row_blocks(view.shape(hf), view.dtype(hf).itemsize, budget, view.row_block(hf)):
-            back = written.read(hf, rows)
-            source = view.read(hf, rows)
-            expected = source.to(out_dtype[hf])
-            if not torch.equal(back, expected):
-                raise ConversionError(
-                    f"verification failed: {hf} read back differs from {view.source(hf)} "
-                    f"(max abs diff {max_abs_diff(back, expected):.3g})"
-                )
-            worst = max(worst, max_abs_diff(back.float(), source.float()))
+    with recycled_blocks():
+        for hf in view.names():
+            shape, itemsize = view.shape(hf), view.dtype(hf).itemsize
+            for rows in row_blocks(shape, itemsize, budget, view.row_block(hf)):
+                back = written.read(hf, rows)
+                source = view.read(hf, rows)
+                expected = source.to(out_dtype[hf])
+                if not torch.equal(back, expected):
+                    raise ConversionError(
+                        f"verification failed: {hf} read back differs from {view.source(hf)} "
+                        f"(max abs diff {max_abs_diff(back, expected):.3g})"
+                    )
+                worst = max(worst, max_abs_diff(back.float(), source.float()))
     return worst
 
 

@@ -16,7 +16,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ _KEEP = 3
 @dataclass
 class _Buffer:
     memory: bytearray
-    handed: Any = field(default=None)
+    handed: Any = None
     """A weak reference to the memoryview last handed out: alive while anything (a tensor
     made from it with ``torch.frombuffer``, a view of that tensor) still uses the bytes."""
 
