@@ -75,7 +75,7 @@ def _checksums(folder):
 @pytest.mark.parametrize("block", [1 << 20, 4096 + 8])
 def test_checksums_verified_in_the_same_pass(tmp_path, monkeypatch, block):
     # The tensors' bytes are hashed a block at a time as they land (one block, and many).
-    monkeypatch.setattr(torchfile, "_HASH_BLOCK", block)
+    monkeypatch.setattr(torchfile, "HASH_BLOCK", block)
     g = torch.Generator().manual_seed(1)
     state = {f"w{i}": torch.randn(256, 64, generator=g) for i in range(6)}
     state["step"] = 5  # a byte record between the tensors
@@ -87,7 +87,7 @@ def test_checksums_verified_in_the_same_pass(tmp_path, monkeypatch, block):
     _load(tmp_path, reader, template)
     assert reader.problems == []
     assert all(torch.equal(template[k], state[k]) for k in template if k != "step")
-    # Only part of the file needed: the rest is read to be hashed, and still verifies.
+    # Only part of the file needed: the rest is read to be hashed (in blocks), and still verifies.
     part = DirectFileSystemReader(tmp_path, checksums=expected)
     _load(tmp_path, part, {"w3": torch.zeros(256, 64)})
     assert part.problems == []

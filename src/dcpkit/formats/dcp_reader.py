@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from dcpkit.dist import io_threads
+from dcpkit.formats import torchfile
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.manifest import Problem
 from dcpkit.safe_pickle import safe_reader
@@ -159,15 +160,17 @@ def _split(items: list[tuple[str, int, int, Any]], n: int) -> list[list[Any]]:
 
 
 def _hash_range(f: Any, start: int, stop: int, h: Any) -> None:
-    """Feed bytes ``[start, stop)`` of ``f`` to the hash ``h``."""
+    """Feed bytes ``[start, stop)`` of ``f`` to the hash ``h``, read ``HASH_BLOCK`` bytes at a
+    time into one buffer."""
     f.seek(start)
     left = stop - start
+    buf = memoryview(bytearray(min(left, torchfile.HASH_BLOCK))) if left > 0 else None
     while left > 0:
-        block = f.read(min(left, 16 << 20))
-        if not block:
+        n = f.readinto(buf[: min(left, len(buf))])
+        if not n:
             raise ValueError("the file ends before its last record: truncated")
-        h.update(block)
-        left -= len(block)
+        h.update(buf[:n])
+        left -= n
 
 
 def _load_item(
