@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _launch import report, run_ranks
 
+from dcpkit.formats.torchfile import HASH_BLOCK
+
 
 def _raw_write(tensors: list[torch.Tensor], path: Path, threads: int = 1) -> list[Path]:
     """Write the bytes of ``tensors`` as ``threads`` files written in parallel (``path``.0, ...;
@@ -94,8 +96,9 @@ def _contiguous_ranges(files: list[Path], threads: int) -> list[list[tuple[Path,
 
 def _raw_read(files: list[Path], threads: int, into: torch.Tensor, hashed: bool = False) -> None:
     """Read ``files`` into ``into`` (preallocated, as large as they are) with ``threads``
-    threads, each a contiguous byte range; ``hashed``: each thread also feeds every byte it
-    read to an xxh3-64, block by block as it lands (the least any verification costs)."""
+    threads, each a contiguous byte range; ``hashed``: each thread reads blocks of the size
+    verify-on-load hashes and feeds each to an xxh3-64 as it lands (the least any
+    verification costs)."""
     view = into.numpy()
     ranges: list[list[tuple[Path, int, int, int]]] = []
     at = 0
@@ -107,12 +110,13 @@ def _raw_read(files: list[Path], threads: int, into: torch.Tensor, hashed: bool 
 
     def read(pieces: list[tuple[Path, int, int, int]]) -> None:
         h = xxhash.xxh3_64() if hashed else None
+        step = HASH_BLOCK if hashed else 16 << 20
         for path, start, n, dest in pieces:
             with open(path, "rb", buffering=0) as f:
                 f.seek(start)
                 mv, got = memoryview(view[dest : dest + n]), 0
                 while got < n:
-                    block = f.readinto(mv[got : got + (16 << 20)])
+                    block = f.readinto(mv[got : got + step])
                     if h is not None:
                         h.update(mv[got : got + block])
                     got += block
