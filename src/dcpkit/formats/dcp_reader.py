@@ -128,15 +128,15 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         archives: dict[str, dict[int, TorchSaveFile]] = {}
         try:
             for relative, offset, length, item in run:
-                path = Path(self.path) / relative
                 if relative not in handles:
-                    f = open(path, "rb")  # noqa: SIM115
+                    f = open(Path(self.path) / relative, "rb")  # noqa: SIM115
                     handles[relative] = f, os.fstat(f.fileno()).st_size
                 f, size = handles[relative]
                 try:
                     cache = archives.setdefault(relative, {})
                     _load_item(f, size, offset, length, item, planner, cache, None)
                 except (ValueError, zipfile.BadZipFile) as e:
+                    path = Path(self.path) / relative
                     raise ValueError(f"{path}: {item.storage_index.fqn}: {e}") from None
         finally:
             for f, _ in handles.values():
