@@ -12,7 +12,11 @@ machine's memory.
 Each operation runs in its own process; its peak RSS (``ru_maxrss``) is reported above the
 baseline of a process that imports the same modules and converts nothing. Every operation starts
 with the page cache of the checkpoint dropped (what a job that converts a checkpoint it did not
-just write sees), the raw read+write included, so that none reads what another left cached.
+just write sees), the raw read+write included, so that none reads what another left cached;
+and, on a virtual machine that reports free pages to its host, after waiting (``--settle``
+seconds at most) for the host to take back the memory freed before it (``host_memory.settle``):
+otherwise an operation's writes run at one of two speeds, several times apart, depending on
+what ran just before it.
 With ``--json``, the throughput plot (each conversion's GiB/s against the checkpoint's size,
 beside the raw read+write) is written next to it as PNG.
 """
@@ -129,8 +133,12 @@ def run_op(code: str, ckpt: Path, out: Path, args: object) -> tuple[float, int]:
     return wall, hwm_kib * 1024
 
 
-def measure(work: Path, args: Llama3Args, label: str, dtype_name: str) -> dict:
-    """Every operation of ``OPS`` on a checkpoint of ``args``'s shapes; prints the table."""
+def measure(
+    work: Path, args: Llama3Args, label: str, dtype_name: str, settle_s: float = 30.0
+) -> dict:
+    """Every operation of ``OPS`` on a checkpoint of ``args``'s shapes, each after waiting up to
+    ``settle_s`` for the host to take back the memory freed before it; prints the table."""
+    from host_memory import settle
     from recovery import _evict
 
     ckpt = work / "ckpt"
@@ -161,6 +169,8 @@ def measure(work: Path, args: Llama3Args, label: str, dtype_name: str) -> dict:
         if name == "dcpkit from-hf":  # needs the to-hf output
             run_op(OPS["dcpkit to-hf"], ckpt, out, args)
         _evict(work)  # recovery.py's: fsync and drop each file's pages
+        if settle_s > 0:  # every operation starts from memory the host took back
+            settle(limit_s=settle_s)
         wall, rss = run_op(code, ckpt, out, args)
         rows[name] = {"wall_s": wall, "peak_rss_bytes": rss}
         print(f"  measured {name}", flush=True)
@@ -203,6 +213,13 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--png", type=Path, help="throughput plot (default: next to --json)")
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a temp folder)")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=30.0,
+        help="seconds at most to wait before each operation for the host to take back freed "
+        "memory, on a machine that reports free pages (0: do not wait; default 30)",
+    )
     opts = parser.parse_args()
     if opts.flavor and opts.flavor not in LLAMA3_FLAVORS:
         parser.error(f"--flavor: one of {', '.join(LLAMA3_FLAVORS)}")
@@ -214,7 +231,7 @@ def main() -> int:
     dtype_name = opts.dtype or ("bfloat16" if opts.flavor else "float32")
     work = Path(tempfile.mkdtemp(prefix="dcpkit-bench-", dir=opts.workdir))
     try:
-        sizes = [measure(work, args, label, dtype_name) for label, args in shapes]
+        sizes = [measure(work, args, label, dtype_name, opts.settle) for label, args in shapes]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if opts.json:

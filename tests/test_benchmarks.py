@@ -23,6 +23,8 @@ def test_convert_benchmark_small(tmp_path):
             str(out),
             "--workdir",
             str(tmp_path),
+            "--settle",
+            "0",  # host_memory's test covers the wait
         ],
         capture_output=True,
         text=True,
@@ -132,3 +134,22 @@ def test_io_speed_benchmark_small(tmp_path):
 
     height, width = matplotlib.image.imread(png).shape[:2]
     assert width > 1.8 * height  # two panels side by side: 1 rank, 2 ranks
+
+
+def test_host_memory_benchmark_small(tmp_path):
+    # Writes right after a deletion and after the host took the freed memory back, each timed;
+    # where the machine reports free pages to a host, how much it took is measured too.
+    out = tmp_path / "host.json"
+    script = ROOT / "benchmarks" / "host_memory.py"
+    cmd = [sys.executable, str(script), "--gb", "0.25", "--reps", "2", "--json", str(out)]
+    proc = subprocess.run(
+        [*cmd, "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["gib"] == 0.25
+    assert data["after_delete_s"] > 0 and data["after_settle_s"] > 0
+    reporting = Path("/sys/module/page_reporting/parameters/reported_kib").exists()
+    assert (data["host_took_mib"] is not None) == reporting
+    assert "right after deleting as many bytes" in proc.stdout
+    assert list(tmp_path.iterdir()) == [out]  # its scratch file is gone
