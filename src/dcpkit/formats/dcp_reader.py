@@ -162,9 +162,11 @@ def _split(items: list[tuple[str, int, int, Any]], n: int) -> list[list[Any]]:
 def _hash_range(f: Any, start: int, stop: int, h: Any) -> None:
     """Feed bytes ``[start, stop)`` of ``f`` to the hash ``h``, read ``HASH_BLOCK`` bytes at a
     time into one buffer."""
-    f.seek(start)
     left = stop - start
-    buf = memoryview(bytearray(min(left, torchfile.HASH_BLOCK))) if left > 0 else None
+    if left <= 0:
+        return
+    f.seek(start)
+    buf = memoryview(bytearray(min(left, torchfile.HASH_BLOCK)))
     while left > 0:
         n = f.readinto(buf[: min(left, len(buf))])
         if not n:
