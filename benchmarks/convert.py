@@ -133,9 +133,7 @@ def run_op(code: str, ckpt: Path, out: Path, args: object) -> tuple[float, int]:
     return wall, hwm_kib * 1024
 
 
-def measure(
-    work: Path, args: Llama3Args, label: str, dtype_name: str, settle_s: float = 30.0
-) -> dict:
+def measure(work: Path, args: Llama3Args, label: str, dtype_name: str, settle_s: float) -> dict:
     """Every operation of ``OPS`` on a checkpoint of ``args``'s shapes, each after waiting up to
     ``settle_s`` for the host to take back the memory freed before it; prints the table."""
     from host_memory import settle

@@ -89,8 +89,8 @@ def main() -> int:
             order = ["after_delete_s", "after_settle_s"]
             for kind in order if rep % 2 == 0 else order[::-1]:
                 path.unlink()
-                before = reported_kib()
                 if kind == "after_settle_s":
+                    before = reported_kib()
                     settle()
                     after = reported_kib()
                     if before is not None and after is not None:
