@@ -99,7 +99,7 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         path = Path(self.path) / name
         h = xxhash.xxh3_64()
         archives: dict[int, TorchSaveFile] = {}
-        with open(path, "rb") as f:
+        with open(path, "rb", buffering=0) as f:  # its reads are large: no buffer between
             size = os.fstat(f.fileno()).st_size
             pos, last = 0, -1
             for _, offset, length, item in run:

@@ -323,15 +323,15 @@ class TorchSaveFile:
         if out.numel() * out.element_size() != length:
             raise ValueError(f"{out.numel()} elements cannot hold rows {rows} of {ref.shape}")
         self._check_span(ref.record, first, length)
-        if length:
-            view = out.reshape(-1).view(torch.uint8).numpy()
-            if hasher is None:
-                self._read_exactly(ref.record, first, view)
-            else:
-                for at in range(0, length, HASH_BLOCK):
-                    block = view[at : at + HASH_BLOCK]
-                    self._read_exactly(ref.record, first + at, block)
-                    hasher.update(block)
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        if hasher is None:
+            self._read_exactly(ref.record, first, view)
+            return True
+        self.f.seek(self.start + self._offsets[ref.record] + first)  # then block after block
+        for at in range(0, length, HASH_BLOCK):
+            block = view[at : at + HASH_BLOCK]
+            self._read_on(ref.record, block)
+            hasher.update(block)
         return True
 
     def storage_span(
@@ -364,7 +364,10 @@ class TorchSaveFile:
     def _read_exactly(self, record: str, offset: int, buf: Any) -> None:
         """Fill ``buf`` from ``offset`` of ``record``."""
         self.f.seek(self.start + self._offsets[record] + offset)
-        view, got = memoryview(buf).cast("B"), 0
+        self._read_on(record, memoryview(buf).cast("B"))
+
+    def _read_on(self, record: str, view: memoryview) -> None:
+        got = 0
         while got < len(view):
             n = self.f.readinto(view[got:])
             if not n:
@@ -374,10 +377,7 @@ class TorchSaveFile:
 
 HASH_BLOCK = 1 << 20
 """Bytes read, then hashed while still in the CPU's cache (a core's L2 holds 1 MiB on this
-project's 2-core machine). A 2 GiB read from the page cache: +13-16% hashed in 1 MiB blocks
-against +17-31% in 4 MiB, +44-47% hashed afterwards; verify-on-load of 4.3 GiB in 31 MiB
-tensors, 9 alternating loads: +21% / +15% (1 / 2 ranks) in 1 MiB blocks, +25% / +25% in 4 MiB,
-+24% / +17% in 512 KiB."""
+project's 2-core machine; 4 MiB and 512 KiB blocks made verify-on-load slower or no faster)."""
 
 
 def _from_bytes(buf: bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
