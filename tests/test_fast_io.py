@@ -103,6 +103,33 @@ def test_checksums_verified_in_the_same_pass(tmp_path, monkeypatch, block):
     ]
 
 
+def test_a_damaged_archive_is_reported_with_its_tensor_and_the_rest_loads(tmp_path):
+    """Archives are parsed before the hashed reads begin; one that does not parse is reported
+    with its tensor's name (and the file's checksum), never raised, and the others load."""
+    g = torch.Generator().manual_seed(2)
+    state = {f"w{i}": torch.randn(128, 32, generator=g) for i in range(3)}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    expected = _checksums(tmp_path)
+    with open(tmp_path / ".metadata", "rb") as f:
+        meta = load_metadata(f, str(tmp_path))
+    (info,) = [v for k, v in meta.storage_data.items() if k.fqn == "w1"]
+    data = tmp_path / info.relative_path
+    raw = bytearray(data.read_bytes())
+    assert raw[info.offset : info.offset + 4] == b"PK\x03\x04"
+    raw[info.offset : info.offset + 4] = b"XXXX"  # its first local header
+    data.write_bytes(bytes(raw))
+    reader = DirectFileSystemReader(tmp_path, checksums=expected)
+    template = {k: torch.zeros(128, 32) for k in state}
+    _load(tmp_path, reader, template)
+    found = [str(p) for p in reader.problems]
+    assert len(found) == 2 and found[0].startswith(f"{data.name}: w1: "), found
+    assert (
+        found[1] == f"{data.name}: checksum mismatch: the file's bytes changed after it was written"
+    )
+    assert torch.equal(template["w0"], state["w0"]) and torch.equal(template["w2"], state["w2"])
+    assert not template["w1"].any()
+
+
 def test_repeated_values_are_parsed_once_and_mutable_ones_never_shared(tmp_path, monkeypatch):
     """An optimizer's hyperparameters, stored once per parameter, parse once per distinct value;
     a list or dict value is parsed for each key (each gets its own object)."""

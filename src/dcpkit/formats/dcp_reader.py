@@ -18,6 +18,7 @@ compression extensions) are read by DCP's own path.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import zipfile
@@ -101,6 +102,7 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         archives: dict[int, TorchSaveFile] = {}
         with open(path, "rb", buffering=0) as f:  # its reads are large: no buffer between
             size = os.fstat(f.fileno()).st_size
+            _open_archives(f, size, run, archives)
             pos, last = 0, -1
             for _, offset, length, item in run:
                 again = offset == last  # another part of the record just hashed
@@ -141,6 +143,17 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         finally:
             for f, _ in handles.values():
                 f.close()
+
+
+def _open_archives(f: Any, size: int, run: list[Any], archives: dict[int, TorchSaveFile]) -> None:
+    """Parse the archive of each tensor record of ``run`` into ``archives``, before any is read:
+    parsing is Python, holding the GIL, and done between hashed reads it kept the other threads
+    (each taking the GIL twice per block) waiting. A record that does not parse is left to
+    ``_load_item``, which reports it with its item."""
+    for _, offset, length, item in run:
+        if item.type != LoadItemType.BYTE_IO and offset not in archives and offset + length <= size:
+            with contextlib.suppress(ValueError, zipfile.BadZipFile):  # reported when loaded
+                archives[offset] = TorchSaveFile(f, offset, length)
 
 
 def _split(items: list[tuple[str, int, int, Any]], n: int) -> list[list[Any]]:
