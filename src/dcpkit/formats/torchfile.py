@@ -275,6 +275,7 @@ class TorchSaveFile:
         self.obj = _RefUnpickler(io.BytesIO(self._record(pkl)), self.prefix, trust_pickle).load()
         for name in [n for n in self._offsets if not n.startswith(self.prefix + "data/")]:
             del self._offsets[name], self._sizes[name]
+        self._head = b""  # parsed: an open archive holds no bytes (a load opens thousands)
 
     def _record(self, record: str) -> bytes:
         """A whole (small) record's stored bytes (from the bytes the scan read, when there)."""
@@ -367,6 +368,7 @@ class TorchSaveFile:
         self._read_on(record, memoryview(buf).cast("B"))
 
     def _read_on(self, record: str, view: memoryview) -> None:
+        """Fill ``view`` from where the file stands."""
         got = 0
         while got < len(view):
             n = self.f.readinto(view[got:])
@@ -375,9 +377,7 @@ class TorchSaveFile:
             got += n
 
 
-HASH_BLOCK = 1 << 20
-"""Bytes read, then hashed while still in the CPU's cache (a core's L2 holds 1 MiB on this
-project's 2-core machine; 4 MiB and 512 KiB blocks made verify-on-load slower or no faster)."""
+HASH_BLOCK = 1 << 20  # read, then hashed while in a core's L2 (1 MiB here; 4 MiB was slower)
 
 
 def _from_bytes(buf: bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
