@@ -3,6 +3,8 @@ DCP's own reader at any layout, and checksums verified in the same pass."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -11,7 +13,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from dcpkit import dist, safe_pickle
 from dcpkit.engine.load import checksum_share
-from dcpkit.formats import torchfile
+from dcpkit.formats import dcp_reader, torchfile
 from dcpkit.formats.dcp_reader import DirectFileSystemReader
 from dcpkit.safe_pickle import load_metadata, safe_load_planner
 
@@ -128,6 +130,45 @@ def test_a_damaged_archive_is_reported_with_its_tensor_and_the_rest_loads(tmp_pa
     )
     assert torch.equal(template["w0"], state["w0"]) and torch.equal(template["w2"], state["w2"])
     assert not template["w1"].any()
+
+
+class _ShortReads(io.FileIO):
+    """A file whose reads return at most 64 bytes at a time, as a FUSE or network file system
+    may return fewer bytes than asked."""
+
+    def read(self, n=-1):
+        return super().read(n if n is None or n < 0 else min(n, 64))
+
+    def readinto(self, b):
+        return super().readinto(memoryview(b).cast("B")[:64])
+
+
+def test_verified_loads_read_through_short_reads(tmp_path, monkeypatch):
+    """Every read of a load, verified or not, goes on until it is full: a file system returning
+    short reads loads the same values, and verifies."""
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(64, 48, generator=g) for i in range(3)}
+    state["step"] = 7  # a byte record
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    expected = _checksums(tmp_path)
+    opened = []
+
+    def short_open(path, mode="rb", buffering=-1):
+        opened.append(buffering)
+        raw = _ShortReads(path, "rb")
+        return raw if buffering == 0 else io.BufferedReader(raw)
+
+    monkeypatch.setattr(dcp_reader, "open", short_open, raising=False)
+    reader = DirectFileSystemReader(tmp_path, checksums=expected)
+    template = {k: torch.zeros(64, 48) for k in state if k != "step"}
+    template["step"] = 0
+    _load(tmp_path, reader, template)
+    assert 0 in opened and reader.problems == []
+    assert template["step"] == 7
+    assert all(torch.equal(template[k], state[k]) for k in state if k != "step")
+    plain = {k: torch.zeros(64, 48) for k in state if k != "step"} | {"step": 0}
+    _load(tmp_path, DirectFileSystemReader(tmp_path), plain)  # without checksums
+    assert plain["step"] == 7 and all(torch.equal(plain[k], state[k]) for k in plain if k != "step")
 
 
 def test_repeated_values_are_parsed_once_and_mutable_ones_never_shared(tmp_path, monkeypatch):

@@ -100,9 +100,11 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         path = Path(self.path) / name
         h = xxhash.xxh3_64()
         archives: dict[int, TorchSaveFile] = {}
-        with open(path, "rb", buffering=0) as f:  # its reads are large: no buffer between
+        # ``f`` for the file's small reads (each archive's parse, byte records, the bytes around
+        # the tensors); the tensors' bytes through ``raw``, one seek per tensor, no buffer.
+        with open(path, "rb") as f, open(path, "rb", buffering=0) as raw:
             size = os.fstat(f.fileno()).st_size
-            _open_archives(f, size, run, archives)
+            _open_archives(f, size, run, archives, raw)
             pos, last = 0, -1
             for _, offset, length, item in run:
                 again = offset == last  # another part of the record just hashed
@@ -145,15 +147,19 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
                 f.close()
 
 
-def _open_archives(f: Any, size: int, run: list[Any], archives: dict[int, TorchSaveFile]) -> None:
+def _open_archives(
+    f: Any, size: int, run: list[Any], archives: dict[int, TorchSaveFile], raw: Any
+) -> None:
     """Parse the archive of each tensor record of ``run`` into ``archives``, before any is read:
     parsing is Python, holding the GIL, and done between hashed reads it kept the other threads
-    (each taking the GIL twice per block) waiting. A record that does not parse is left to
-    ``_load_item``, which reports it with its item."""
+    (each taking the GIL twice per block) waiting. Each archive then reads through ``raw`` (its
+    reads loop until they are full). A record that does not parse is left to ``_load_item``,
+    which reports it with its item."""
     for _, offset, length, item in run:
         if item.type != LoadItemType.BYTE_IO and offset not in archives and offset + length <= size:
             with contextlib.suppress(ValueError, zipfile.BadZipFile):  # reported when loaded
-                archives[offset] = TorchSaveFile(f, offset, length)
+                archive = archives[offset] = TorchSaveFile(f, offset, length)
+                archive.f = raw
 
 
 def _split(items: list[tuple[str, int, int, Any]], n: int) -> list[list[Any]]:
