@@ -20,7 +20,9 @@ starting together:
   ``set_state_dict`` of the same state, saved by ``dcp.save``;
 - two floors, warm: DCP's own steps of a load with a reader that reads no bytes (the state
   dicts, ``.metadata``, planning, ``set_state_dict``: what any DCP ``StorageReader`` adds to its
-  reads), and the raw parallel read hashing every byte as it lands (what any verification adds).
+  reads), and the raw parallel read hashing every byte as it lands (what any verification adds);
+  beside them the CPU time (every thread's, all ranks) of the warm loads and raw reads: what
+  verifying adds to a load's CPU against what hashing the same bytes adds to the raw read's.
 Medians over ``--reps`` runs, each running the loads in a rotated order. With ``--json``, the
 throughput plot (GiB/s of save, warm load and cold load against the checkpoint's size, beside
 the raw IO, a panel per world size) is written next to it as PNG.
@@ -159,11 +161,15 @@ def worker(gib: float, work: Path, reps: int, dim: int) -> None:
     out: dict[str, list[float]] = {}
 
     def timed(key: str, fn):  # type: ignore[no-untyped-def]
+        """Wall time of ``fn`` (all ranks starting together, to the last one's end) in
+        ``key``, and this process's CPU time (every thread's) in ``key`` with ``_cpu``."""
         td.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = fn()
+        c1 = time.process_time()
         td.barrier()
         out.setdefault(key, []).append(time.perf_counter() - t0)
+        out.setdefault(key[:-2] + "_cpu", []).append(c1 - c0)
         return result
 
     folder = work / "run"
@@ -334,6 +340,16 @@ def _run(gb: float, nproc: int, opts: argparse.Namespace) -> dict | None:
         f"the raw read hashing every byte as it lands (xxh3-64): {hashed:.3f} s, "
         f"{100 * (hashed / raw - 1):+.1f}% over the raw read, "
         f"{100 * (hashed - raw) / slowest['load_warm_s']:+.1f}% of dcpkit's warm load"
+    )
+    cpu = {k: sum(r[k] for r in ranks) for k in ranks[0] if k.endswith("_cpu")}
+    result["cpu"] = cpu
+    verify_cpu = cpu["load_verify_warm_cpu"] - cpu["load_warm_cpu"]
+    hash_cpu = cpu["raw_read_hashed_warm_cpu"] - cpu["raw_read_warm_cpu"]
+    print(
+        f"CPU time, all ranks, warm: load {cpu['load_warm_cpu']:.3f} s, load + verify "
+        f"{cpu['load_verify_warm_cpu']:.3f} s ({verify_cpu:+.3f} s); the raw read "
+        f"{cpu['raw_read_warm_cpu']:.3f} s, hashing too {cpu['raw_read_hashed_warm_cpu']:.3f} s "
+        f"({hash_cpu:+.3f} s, {100 * hash_cpu / cpu['load_warm_cpu']:+.1f}% of the load's CPU)"
     )
     return result
 
