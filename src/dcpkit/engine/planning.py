@@ -15,7 +15,8 @@ tensor's largest dimension, and for a tensor sharded column-wise by TP and row-w
 (``wo``, ``w2``) every FSDP chunk of a column band is active at once: quadratic in the ranks
 (measured by ``benchmarks/planning_scale.py``). ``CachingPlanner`` runs the same checks sweeping
 along the dimension with the most distinct chunk offsets, which keeps the active set at the
-chunks that share one offset there.
+chunks that share one offset there (``dcpkit.formats.structure.chunk_problems``, which checks
+every checkpoint a load verifies).
 
 Its ``transform_object`` serializes each distinct small value once per save (an optimizer's
 hyperparameters, stored once per parameter).
@@ -27,11 +28,9 @@ every time, as before, and the count says so.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import inspect
 import io
 import itertools
-import math
 from collections import ChainMap, Counter
 from typing import Any
 
@@ -41,13 +40,13 @@ from torch.distributed.checkpoint.default_planner import (
     create_default_global_save_plan,
 )
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from dcpkit.dist import paused_gc
+from dcpkit.formats.structure import chunk_problems
 
 CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
 """Whether this torch's DCP can cache save plans."""
@@ -154,44 +153,11 @@ class CachingPlanner(DefaultSavePlanner):
         return plan
 
 
-def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
-    return all(
-        a.offsets[d] < b.offsets[d] + b.sizes[d] and b.offsets[d] < a.offsets[d] + a.sizes[d]
-        for d in range(len(a.offsets))
-    )
-
-
 def validate_global_plan(metadata: Metadata, n_plans: int) -> list[str]:
     """Every tensor's chunks inside its bounds, disjoint, and (saved by several ranks) covering
     it: DCP's checks, sweeping along the dimension with the most distinct chunk offsets."""
     errors: list[str] = []
     for key, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata) or len(md.size) == 0:
-            continue
-        dims, chunks, volume = len(md.size), md.chunks, 0
-        for c in chunks:
-            if any(
-                c.offsets[d] < 0 or c.sizes[d] < 0 or c.offsets[d] + c.sizes[d] > md.size[d]
-                for d in range(dims)
-            ):
-                errors.append(f"{key}: chunk {c} is out of bounds of size {tuple(md.size)}")
-            volume += math.prod(c.sizes)
-        if len(chunks) > 1:
-            sweep = max(
-                range(dims), key=lambda d: (len({c.offsets[d] for c in chunks}), md.size[d])
-            )
-            order = sorted(chunks, key=lambda c: c.offsets[sweep])
-            active: list[tuple[int, int]] = []  # (end along the sweep, index in order)
-            for i, c in enumerate(order):
-                start = c.offsets[sweep]
-                while active and active[0][0] <= start:
-                    heapq.heappop(active)
-                errors += [
-                    f"{key}: chunks {c} and {order[j]} overlap"
-                    for _, j in active
-                    if _overlap(c, order[j])
-                ]
-                heapq.heappush(active, (start + c.sizes[sweep], i))
-        if n_plans > 1 and volume != math.prod(md.size):
-            errors.append(f"{key}: its chunks hold {volume} elements of its {math.prod(md.size)}")
+        if isinstance(md, TensorStorageMetadata) and len(md.size):
+            errors += chunk_problems(key, md.size, md.chunks, covered=n_plans > 1)
     return errors

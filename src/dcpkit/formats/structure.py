@@ -4,8 +4,11 @@ its CRC-32 checks. Read from metadata and headers only (except the archive)."""
 
 from __future__ import annotations
 
+import heapq
 import json
+import math
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +45,9 @@ def dcp_problems(folder: Path) -> list[Problem]:
                     )
                 )
         for fqn, tmd in ckpt.tensors.items():
-            problem = _coverage_problem(fqn, tmd)
-            if problem:
-                problems.append(Problem(METADATA, problem))
+            problems += [
+                Problem(METADATA, p) for p in chunk_problems(fqn, tmd.size, tmd.chunks, first=True)
+            ]
             for chunk in tmd.chunks:
                 if not _has_storage(md, fqn, chunk.offsets):
                     problems.append(
@@ -62,33 +65,76 @@ def _has_storage(md: Any, fqn: str, offsets: Any) -> bool:
     return MetadataIndex(fqn, offsets) in md.storage_data
 
 
-def _coverage_problem(fqn: str, tmd: Any) -> str | None:
-    """The chunks of a tensor must tile its global shape: in bounds, no overlap, no gap."""
-    shape = list(tmd.size)
-    total = 1
-    for s in shape:
-        total *= s
-    covered = 0
-    boxes = []
-    for chunk in tmd.chunks:
-        off, size = list(chunk.offsets), list(chunk.sizes)
-        if any(o < 0 or o + n > s for o, n, s in zip(off, size, shape)):
-            return f"{fqn}: chunk at {off} of size {size} lies outside the shape {shape}"
-        vol = 1
-        for n in size:
-            vol *= n
-        covered += vol
-        boxes.append((off, size))
-    for i, (a_off, a_size) in enumerate(boxes):
-        for b_off, b_size in boxes[i + 1 :]:
-            if all(
-                ao < bo + bs and bo < ao + as_
-                for ao, as_, bo, bs in zip(a_off, a_size, b_off, b_size)
-            ):
-                return f"{fqn}: chunks at {a_off} and {b_off} overlap"
-    if covered != total:
-        return f"{fqn}: chunks cover {covered} of {total} elements"
-    return None
+def chunk_problems(
+    key: str, size: Sequence[int], chunks: Sequence[Any], covered: bool = True, first: bool = False
+) -> list[str]:
+    """What is wrong with one tensor's stored chunks (each with ``offsets`` and ``sizes``) for a
+    tensor of shape ``size``: a chunk out of its bounds, two chunks overlapping, and with
+    ``covered`` the chunks not holding every element. ``first``: stop at the first problem.
+
+    Overlaps are found with a sweep line along the dimension with the most distinct chunk
+    offsets, so that a grid of chunks (FSDP rows by TP columns) keeps the active set at the
+    chunks that share one offset there: about linear in the chunks, where comparing every pair
+    was quadratic in the ranks (4096 row shards: 4.2 s per tensor). The comparisons are bounded
+    (a checkpoint may be hostile): a layout past ``n * (isqrt(n) + 16) + 2**16`` of them, which
+    no grid needs, is a problem of its own."""
+    shape, problems = list(size), []
+    dims, volume = len(shape), 0
+    inside = []
+    for c in chunks:
+        off, n = list(c.offsets), list(c.sizes)
+        if (
+            len(off) != dims
+            or len(n) != dims
+            or any(o < 0 or k < 0 or o + k > s for o, k, s in zip(off, n, shape))
+        ):
+            problems.append(f"{key}: chunk at {off} of size {n} lies outside the shape {shape}")
+            if first:
+                return problems
+            continue
+        volume += math.prod(n)
+        if math.prod(n):  # an empty chunk holds nothing to overlap
+            inside.append((off, n))
+    overlap = _overlaps(key, shape, inside, first)
+    problems += overlap
+    if first and problems:
+        return problems
+    if covered and volume != math.prod(shape):
+        problems.append(f"{key}: chunks cover {volume} of {math.prod(shape)} elements")
+    return problems
+
+
+def _overlaps(
+    key: str, shape: list[int], boxes: list[tuple[list[int], list[int]]], first: bool
+) -> list[str]:
+    if len(boxes) < 2:
+        return []
+    if not shape:  # two chunks of one scalar
+        return [f"{key}: chunks at [] and [] overlap"]
+    dims = len(shape)
+    sweep = max(range(dims), key=lambda d: (len({o[d] for o, _ in boxes}), shape[d]))
+    order = sorted(boxes, key=lambda b: b[0][sweep])
+    budget = len(order) * (math.isqrt(len(order)) + 16) + (1 << 16)
+    found: list[str] = []
+    active: list[tuple[int, int]] = []  # (end along the sweep, index in order)
+    for i, (off, n) in enumerate(order):
+        while active and active[0][0] <= off[sweep]:
+            heapq.heappop(active)
+        budget -= len(active)
+        if budget < 0:
+            return [
+                *found,
+                f"{key}: its {len(order)} chunks are laid out too irregularly to check for "
+                "overlaps (no grid of chunks is)",
+            ]
+        for _, j in active:
+            o2, n2 = order[j]
+            if all(off[d] < o2[d] + n2[d] and o2[d] < off[d] + n[d] for d in range(dims)):
+                found.append(f"{key}: chunks at {o2} and {off} overlap")
+                if first:
+                    return found
+        heapq.heappush(active, (off[sweep] + n[sweep], i))
+    return found
 
 
 def hf_problems(path: Path) -> list[Problem]:
