@@ -404,3 +404,45 @@ def test_credentials_never_appear_in_messages(monkeypatch):
     store = FsspecStore("memory://bucket/run", options)
     message = store._explain(store.root, PermissionError("bad signature for OPTION-SECRET"))
     assert "OPTION-SECRET" not in message and message.endswith("bad signature for ***")
+
+
+def test_metadata_is_parsed_without_garbage_collections():
+    """A `.metadata` is millions of objects at scale, none in a cycle: it is parsed with the
+    cyclic garbage collector paused, whoever parses it (98 MiB, Llama 3 8B over 1024 ranks:
+    18 s with the collections, 4 s without), and the collector is back on afterwards."""
+    import gc
+    import io
+
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from dcpkit.safe_pickle import load_metadata
+
+    chunks = [ChunkStorageMetadata(torch.Size([2 * j, 0]), torch.Size([2, 8])) for j in range(4)]
+    props = TensorProperties(dtype=torch.float32)
+    md = Metadata(
+        {f"w{i}": TensorStorageMetadata(props, torch.Size([8, 8]), chunks) for i in range(20000)}
+    )
+    data = pickle.dumps(md)
+    collections = []
+
+    def seen(phase, info):  # type: ignore[no-untyped-def]
+        if phase == "start":
+            collections.append(info["generation"])
+
+    assert gc.isenabled()
+    gc.collect()  # the allocation counts start from zero: no collection is due before the parse
+    gc.callbacks.append(seen)
+    try:
+        parsed = load_metadata(io.BytesIO(data), "test .metadata")
+    finally:
+        gc.callbacks.remove(seen)
+    # At most the one young collection that catches up as the collector comes back on (with it
+    # on throughout, this parse ran 171 collections).
+    assert len(collections) <= 1, collections
+    assert gc.isenabled()
+    assert len(parsed.state_dict_metadata) == 20000

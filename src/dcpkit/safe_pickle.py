@@ -89,25 +89,30 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 def load_metadata(f: BinaryIO, where: str) -> Any:
     """DCP ``Metadata`` from an open ``.metadata`` file, without running code, checked for
-    storage entries that would read outside the checkpoint folder."""
-    try:
-        metadata = RestrictedUnpickler(f, _metadata_globals(), where).load()
-    except UnsafeCheckpoint:
-        raise
-    except Exception as e:  # truncated or foreign bytes fail inside pickle in many ways
-        raise UnsafeCheckpoint(
-            f"{where} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
-            "corrupt: restore it, or use an earlier step"
-        ) from None
+    storage entries that would read outside the checkpoint folder. Parsed and checked with the
+    cyclic garbage collector paused, whoever calls (a load, ``dcpkit verify``, a conversion):
+    millions of objects at scale, none in a cycle (98 MiB: 18 s with its collections, 4 s)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpoint(
-            f"{where} is not DCP metadata (it holds a {type(metadata).__name__})"
-        )
-    for info in (metadata.storage_data or {}).values():
-        check_file_name(getattr(info, "relative_path", None), where)
-    _check_fields(metadata, where)
+    from dcpkit.dist import paused_gc
+
+    with paused_gc():
+        try:
+            metadata = RestrictedUnpickler(f, _metadata_globals(), where).load()
+        except UnsafeCheckpoint:
+            raise
+        except Exception as e:  # truncated or foreign bytes fail inside pickle in many ways
+            raise UnsafeCheckpoint(
+                f"{where} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
+                "corrupt: restore it, or use an earlier step"
+            ) from None
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpoint(
+                f"{where} is not DCP metadata (it holds a {type(metadata).__name__})"
+            )
+        for info in (metadata.storage_data or {}).values():
+            check_file_name(getattr(info, "relative_path", None), where)
+        _check_fields(metadata, where)
     return metadata
 
 
