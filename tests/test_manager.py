@@ -285,7 +285,9 @@ def test_no_garbage_collection_inside_a_save_or_a_load(tmp_path):
     try:
         mgr.save(1)
         assert len(collections) <= 1 and gc.isenabled()
-        garbage = [[object()] for _ in range(100)]
+        # (objects freed since the last collection count against the next one: allocate well
+        # past the threshold)
+        garbage = [[object()] for _ in range(5000)]
         del garbage
         assert len(collections) > 5, "the collector did not run outside the save"
         collections.clear()
