@@ -105,6 +105,41 @@ def test_checksums_verified_in_the_same_pass(tmp_path, monkeypatch, block):
     ]
 
 
+def test_a_verified_load_parses_its_metadata_once(tmp_path, monkeypatch):
+    """A verified load checks the structure of ``.metadata`` before it reads, and then reads by
+    that parse: one parse per load, verified or not (a 98 MiB one takes 4 s), and the state
+    loads back the same."""
+    from dcpkit import CheckpointConfig, CheckpointManager
+    from dcpkit.formats import dcp as dcp_format
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with CheckpointManager(CheckpointConfig(enable=True, interval=1), tmp_path, model, opt) as m:
+        m.save(1)
+    parses = []
+
+    def counted(f, where):  # type: ignore[no-untyped-def]
+        parses.append(where)
+        return load_metadata(f, where)
+
+    monkeypatch.setattr(safe_pickle, "load_metadata", counted)
+    monkeypatch.setattr(dcp_format, "load_metadata", counted)
+    for verify in (False, True):
+        parses.clear()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        cfg = CheckpointConfig(enable=True, interval=1, verify_on_load=verify)
+        with CheckpointManager(cfg, tmp_path, model, opt) as m:
+            assert m.load() == 1
+        assert len(parses) == 1, (verify, parses)
+        assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+
+
 def test_a_damaged_archive_is_reported_with_its_tensor_and_the_rest_loads(tmp_path):
     """Archives are parsed before the hashed reads begin; one that does not parse is reported
     with its tensor's name (and the file's checksum), never raised, and the others load."""

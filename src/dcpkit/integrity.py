@@ -26,6 +26,7 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     files_checked: int = 0
     checksummed: bool = False
+    metadata: Any = field(default=None, repr=False)  # DCP's, as parsed for the checks
 
     @property
     def ok(self) -> bool:
@@ -50,7 +51,8 @@ def verify_checkpoint(
         report = VerifyReport(view.location, kind)
         if kind == DCP:
             _check_manifest(store, name, report, checksums, checksum_files)
-            report.problems += dcp_problems(view.path)
+            problems, report.metadata = dcp_problems(view.path)
+            report.problems += problems
         elif kind == HF:
             folder = name if view.path.is_dir() else ""
             _check_manifest(store, folder, report, checksums, checksum_files)

@@ -233,14 +233,19 @@ def safe_reader(base: type) -> type:
 
     class SafeReader(base):  # type: ignore[misc, valid-type]
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            from torch.distributed.checkpoint.metadata import StorageMeta
 
             cached = self.__dict__.get("_safe_metadata")
             if cached is not None and cached.storage_meta.load_id == self.load_id:
                 return cached
             path = self.fs.concat_path(self.path, ".metadata")
             with self.fs.create_stream(path, "rb") as f:
-                metadata = load_metadata(f, str(path))
+                return self.adopt_metadata(load_metadata(f, str(path)))
+
+        def adopt_metadata(self, metadata: Any) -> Any:
+            """Read by ``metadata``, which ``load_metadata`` parsed from this checkpoint's
+            ``.metadata`` (the checks before a verified load), instead of parsing it again."""
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

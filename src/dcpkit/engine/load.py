@@ -126,23 +126,35 @@ def gather_problems(problems: list[Any]) -> list[str]:
 
 
 def verify_everywhere(
-    store: Any, name: str, require_commit: bool, only: set[str] | None = None
+    store: Any,
+    name: str,
+    require_commit: bool,
+    only: set[str] | None = None,
+    kept: dict[str, Any] | None = None,
 ) -> list[str]:
     """Problems with checkpoint ``name``; every rank checksums its share of the files (of
     ``only`` these, when given; sizes and structure are checked for all). Empty when it is
-    intact."""
+    intact. ``kept``: gets the ``Metadata`` the checks parsed, for the load to read by."""
     share = checksum_share(store, name)
     mine = None if share is None else sorted(n for n in share if only is None or n in only)
     report = verify_checkpoint(store, name, checksum_files=mine, require_commit=require_commit)
+    if kept is not None:
+        kept["metadata"] = report.metadata
     return gather_problems(report.problems)
 
 
-def verified(plan: LoadPlan, config: Any, store: Any, only: set[str] | None = None) -> LoadPlan:
+def verified(
+    plan: LoadPlan,
+    config: Any,
+    store: Any,
+    only: set[str] | None = None,
+    kept: dict[str, Any] | None = None,
+) -> LoadPlan:
     """``plan`` if its checkpoint verifies; else the newest older one that does, when
     ``fallback_on_corruption`` allows it; else an error listing the problems. ``only``: the
     files to checksum now (the load checksums the others as it reads them)."""
     assert plan.name is not None
-    problems = verify_everywhere(plan.store, plan.name, plan.own, only)
+    problems = verify_everywhere(plan.store, plan.name, plan.own, only, kept)
     if not problems:
         return plan
     return fallback(plan, problems, config, store)
@@ -194,12 +206,16 @@ def restore_verified(
         plan.store.local_dir(plan.name) is not None and METADATA in plan.store.list_names(plan.name)
     )
     # .metadata is parsed before any data is read: checksummed first, whatever the mode.
-    checked = verified(plan, config, store, only={METADATA} if fused else None)
+    kept: dict[str, Any] = {}  # the .metadata those checks parsed: the load reads by it
+    checked = verified(plan, config, store, only={METADATA} if fused else None, kept=kept)
     if checked is plan and fused:
         share = checksum_share(plan.store, plan.name) or {}
         share.pop(METADATA, None)
+        md = kept.get("metadata")
         try:
-            return plan, restore(plan.store, plan.name, plan.model_only, checksums=share)
+            return plan, restore(
+                plan.store, plan.name, plan.model_only, checksums=share, metadata=md
+            )
         except FailedVerification as e:
             checked = fallback(plan, e.problems, config, store)
     # A fallback step (verified by a pass of its own), or a remote one (verified before).

@@ -151,7 +151,7 @@ class CheckpointManager:
         name: str,
         model_only: bool,
         own_rank: bool = False,
-        checksums: dict[str, str] | None = None,
+        **reader: Any,  # checksums, metadata: see restore()
     ) -> list[str]:
         return restore(
             store,
@@ -163,7 +163,7 @@ class CheckpointManager:
             rng=self.save_rng,
             hf=self.hf_model,
             own_rank=own_rank,
-            checksums=checksums,
+            **reader,
         )
 
     def verify(self, path: str | Path) -> list[str]:

@@ -63,11 +63,13 @@ def restore(
     hf: HFCodec | None = None,
     own_rank: bool = False,
     checksums: dict[str, str] | None = None,
+    metadata: Any = None,
 ) -> list[str]:
     """Load checkpoint ``name`` of ``store`` into the live state; returns the pieces restored.
     ``checksums``: this rank's share of the files to verify as they are read (local files);
     a mismatch raises :class:`FailedVerification` once every rank has read, with the live
-    state partly loaded (load another checkpoint, or stop).
+    state partly loaded (load another checkpoint, or stop). ``metadata``: its ``.metadata``,
+    parsed by the checks before (local files only), not parsed again.
     ``own_rank``: a checkpoint of this rank alone (the memory tier), read without collectives,
     its per-rank values and RNG this rank's own."""
     location = store.location(name)
@@ -79,7 +81,7 @@ def restore(
     unknown = format_problem(manifest) if manifest is not None else None
     if unknown is not None:
         raise CheckpointError(f"{location}: {unknown}")
-    reader = dcp_reader(store, name, checksums)
+    reader = dcp_reader(store, name, checksums, metadata)
     try:
         metadata = reader.read_metadata()
     except FileNotFoundError:
@@ -268,12 +270,14 @@ class FailedVerification(CheckpointError):
         self.problems = problems
 
 
-def dcp_reader(store: Any, name: str, checksums: dict[str, str] | None = None) -> Any:
+def dcp_reader(
+    store: Any, name: str, checksums: dict[str, str] | None = None, metadata: Any = None
+) -> Any:
     """The reader of checkpoint ``name``: direct reads into the destination tensors when its
     files are local (verifying ``checksums`` as they stream through), else the store's own."""
     folder = store.local_dir(name)
     if folder is not None:
-        return DirectFileSystemReader(folder, checksums=checksums)
+        return DirectFileSystemReader(folder, checksums=checksums, metadata=metadata)
     if checksums:
         raise ValueError("checksums are verified while loading local files only")
     return store.dcp_reader(name)

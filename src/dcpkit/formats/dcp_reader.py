@@ -47,12 +47,16 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         path: str | os.PathLike,
         thread_count: int | None = None,
         checksums: dict[str, str] | None = None,
+        metadata: Any = None,
     ) -> None:
         """``checksums``: file name -> expected xxh3-64 of the files this rank verifies while it
         loads (each hashed in one pass as its bytes stream through, the bytes the load does not
         need read only to be hashed); their problems, and any read failure, are then collected
-        in ``problems`` instead of raised."""
+        in ``problems`` instead of raised. ``metadata``: the checkpoint's, already parsed (see
+        ``adopt_metadata``)."""
         super().__init__(path)
+        if metadata is not None:
+            self.adopt_metadata(metadata)
         self.thread_count = thread_count or io_threads()
         self.checksums = dict(checksums or {})
         self.problems: list[Problem] = []

@@ -18,12 +18,14 @@ from dcpkit.layout import HF_INDEX, METADATA
 from dcpkit.manifest import Problem
 
 
-def dcp_problems(folder: Path) -> list[Problem]:
+def dcp_problems(folder: Path) -> tuple[list[Problem], Any]:
+    """The structure's problems, and the ``Metadata`` parsed to find them (None when it could
+    not be parsed), for a load that follows to read by instead of parsing it again."""
     problems: list[Problem] = []
     try:
         ckpt = DCPCheckpoint(folder)
     except NotACheckpoint as e:
-        return [Problem(METADATA, str(e))]
+        return [Problem(METADATA, str(e))], None
     with ckpt:
         md = ckpt.metadata
         sizes: dict[str, int] = {}
@@ -56,7 +58,7 @@ def dcp_problems(folder: Path) -> list[Problem]:
         for fqn in ckpt.objects:
             if not _has_storage(md, fqn, None):
                 problems.append(Problem(METADATA, f"{fqn}: value has no storage"))
-    return problems
+    return problems, md
 
 
 def _has_storage(md: Any, fqn: str, offsets: Any) -> bool:
