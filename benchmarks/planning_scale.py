@@ -15,7 +15,9 @@ metadata, its validation), then the ``.metadata`` as DCP writes it (pickled, wit
 storage entry). It measures the coordinator's planning time, the ``.metadata`` size, the bytes of
 the plans it gathers, and the cell's peak memory above its start; then a second save of the same
 shapes through dcpkit's ``CachingPlanner``: every rank sends an empty plan, the coordinator reuses
-the cached plan and metadata, and the global plannings are counted (1, not 2).
+the cached plan and metadata, and the global plannings are counted (1, not 2). And what every
+rank of a load pays for that ``.metadata``, at every load: its parse by dcpkit's safe reader, and
+the chunk checks a verified load or ``dcpkit verify`` runs on it (bounds, overlaps, coverage).
 
 Each cell runs in a process of its own (its peak memory is its own). A cell whose plans hold more
 than ``--max-items`` write items in all is not run on this machine: its figures are extrapolated
@@ -27,6 +29,7 @@ sharded items only; a real coordinator unpickles a copy per rank.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import pickle
@@ -197,9 +200,12 @@ def cell(flavor: str, world: int, stock: bool) -> dict:
     """One (model, world size): the coordinator's planning, cold and cached."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
     from dcpkit.engine import planning
+    from dcpkit.formats.structure import chunk_problems
+    from dcpkit.safe_pickle import load_metadata
 
     base = _rss("VmRSS")
     t0 = time.perf_counter()
@@ -226,9 +232,25 @@ def cell(flavor: str, world: int, stock: bool) -> dict:
             storage[item.index] = _StorageInfo(path, offset, length)
             offset += length
     metadata.storage_data = storage
-    metadata_bytes = len(pickle.dumps(metadata))
+    written = pickle.dumps(metadata)
+    metadata_bytes = len(written)
     metadata_s = time.perf_counter() - t0
     peak = _rss("VmHWM") - base
+    # What each rank of a load pays for it: the parse, and a verified load's chunk checks.
+    t0 = time.perf_counter()
+    parsed = load_metadata(io.BytesIO(written), ".metadata")
+    parse_s = time.perf_counter() - t0
+    del written
+    t0 = time.perf_counter()
+    problems = [
+        p
+        for key, md in parsed.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+        for p in chunk_problems(key, md.size, md.chunks, first=True)
+    ]
+    check_s = time.perf_counter() - t0
+    assert not problems, problems[:3]
+    del parsed
     kept = sum(len(p.items) for p in final)
     # The second save of the same shapes: every rank's local plan is unchanged and sent empty.
     empty = [SavePlan([], usable=False)] * world
@@ -256,6 +278,8 @@ def cell(flavor: str, world: int, stock: bool) -> dict:
         "dcp_global_plan_s": stock_s,
         "metadata_s": metadata_s,
         "metadata_bytes": metadata_bytes,
+        "load_parse_s": parse_s,
+        "load_check_s": check_s,
         "peak_bytes": peak,
         "cached_global_plan_s": cached_s,
         "cached_gathered_bytes": cached_gathered,
@@ -264,7 +288,14 @@ def cell(flavor: str, world: int, stock: bool) -> dict:
     }
 
 
-METRICS = ("global_plan_s", "metadata_bytes", "peak_bytes", "gathered_bytes")
+METRICS = (
+    "global_plan_s",
+    "metadata_bytes",
+    "peak_bytes",
+    "gathered_bytes",
+    "load_parse_s",
+    "load_check_s",
+)
 
 
 def _s(v: float | None) -> str:
@@ -342,7 +373,8 @@ def main() -> int:
                 f"{r['global_plan_s']:7.2f} s (DCP's planner: {_s(r['dcp_global_plan_s'])}), "
                 f".metadata {r['metadata_bytes'] / 2**20:8.1f} MiB, "
                 f"peak {r['peak_bytes'] / 2**30:5.2f} GiB, cached {r['cached_global_plan_s']:.4f} s"
-                f", global plannings {r['global_plans']}",
+                f", global plannings {r['global_plans']}; a load's parse "
+                f"{r['load_parse_s']:.2f} s, chunk checks {r['load_check_s']:.2f} s",
                 flush=True,
             )
     growth = {}
@@ -363,7 +395,7 @@ def main() -> int:
     print(
         f"\n{'model':>5} {'ranks':>6} {'items M':>8} {'plan s':>8} {'DCP s':>7} "
         f"{'.metadata MiB':>14} {'gathered MiB':>13} {'peak GiB':>9} {'cached s':>9} "
-        f"{'plannings':>9}"
+        f"{'plannings':>9} {'load parse s':>12} {'checks s':>8}"
     )
     for r in rows:
         tag = "" if r["measured"] else "  (extrapolated)"
@@ -373,7 +405,8 @@ def main() -> int:
             f"{r['model']:>5} {r['world']:>6} {r['items'] / 1e6:>8.2f} {r['global_plan_s']:>8.2f} "
             f"{_s(r.get('dcp_global_plan_s')).replace(' s', '').replace('not run', '-'):>7} "
             f"{r['metadata_bytes'] / 2**20:>14.1f} {r['gathered_bytes'] / 2**20:>13.1f} "
-            f"{r['peak_bytes'] / 2**30:>9.2f} {cached} {plans}{tag}"
+            f"{r['peak_bytes'] / 2**30:>9.2f} {cached} {plans} {r['load_parse_s']:>12.2f} "
+            f"{r['load_check_s']:>8.2f}{tag}"
         )
     print("\ngrowth exponent, log-log fit over the measured world sizes >= 32 (1.0 = linear):")
     for m, g in growth.items():
