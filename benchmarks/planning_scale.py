@@ -17,7 +17,8 @@ the plans it gathers, and the cell's peak memory above its start; then a second 
 shapes through dcpkit's ``CachingPlanner``: every rank sends an empty plan, the coordinator reuses
 the cached plan and metadata, and the global plannings are counted (1, not 2). And what every
 rank of a load pays for that ``.metadata``, at every load: its parse by dcpkit's safe reader, and
-the chunk checks a verified load or ``dcpkit verify`` runs on it (bounds, overlaps, coverage).
+the checks a verified load or ``dcpkit verify`` runs on it (chunks in bounds, disjoint, covering
+every tensor, each with its storage entry).
 
 Each cell runs in a process of its own (its peak memory is its own). A cell whose plans hold more
 than ``--max-items`` write items in all is not run on this machine: its figures are extrapolated
@@ -200,11 +201,10 @@ def cell(flavor: str, world: int, stock: bool) -> dict:
     """One (model, world size): the coordinator's planning, cold and cached."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
     from dcpkit.engine import planning
-    from dcpkit.formats.structure import chunk_problems
+    from dcpkit.formats.structure import metadata_problems
     from dcpkit.safe_pickle import load_metadata
 
     base = _rss("VmRSS")
@@ -242,12 +242,7 @@ def cell(flavor: str, world: int, stock: bool) -> dict:
     parse_s = time.perf_counter() - t0
     del written
     t0 = time.perf_counter()
-    problems = [
-        p
-        for key, md in parsed.state_dict_metadata.items()
-        if isinstance(md, TensorStorageMetadata)
-        for p in chunk_problems(key, md.size, md.chunks, first=True)
-    ]
+    problems = metadata_problems(parsed)
     check_s = time.perf_counter() - t0
     assert not problems, problems[:3]
     del parsed

@@ -446,3 +446,16 @@ def test_metadata_is_parsed_without_garbage_collections():
     assert len(collections) <= 1, collections
     assert gc.isenabled()
     assert len(parsed.state_dict_metadata) == 20000
+    # And the structure checks that follow it (the storage entries left out here: each chunk
+    # is a problem, and still no collection).
+    from dcpkit.formats.structure import metadata_problems
+
+    gc.collect()
+    collections.clear()
+    gc.callbacks.append(seen)
+    try:
+        problems = metadata_problems(parsed)
+    finally:
+        gc.callbacks.remove(seen)
+    assert len(collections) <= 1, collections
+    assert len(problems) == 80000 and "w0: chunk at [0, 0] has no storage" in str(problems[0])

@@ -46,25 +46,34 @@ def dcp_problems(folder: Path) -> tuple[list[Problem], Any]:
                         f"{info.offset + info.length}): truncated",
                     )
                 )
-        for fqn, tmd in ckpt.tensors.items():
-            problems += [
-                Problem(METADATA, p) for p in chunk_problems(fqn, tmd.size, tmd.chunks, first=True)
-            ]
-            for chunk in tmd.chunks:
-                if not _has_storage(md, fqn, chunk.offsets):
-                    problems.append(
-                        Problem(METADATA, f"{fqn}: chunk at {list(chunk.offsets)} has no storage")
-                    )
-        for fqn in ckpt.objects:
-            if not _has_storage(md, fqn, None):
-                problems.append(Problem(METADATA, f"{fqn}: value has no storage"))
+        problems += metadata_problems(md)
     return problems, md
 
 
-def _has_storage(md: Any, fqn: str, offsets: Any) -> bool:
-    from torch.distributed.checkpoint.metadata import MetadataIndex
+def metadata_problems(md: Any) -> list[Problem]:
+    """What ``.metadata`` says that cannot hold: a tensor's chunks not tiling it, a chunk or a
+    value without storage. With the cyclic garbage collector paused: at scale these are
+    millions of small objects, none in a cycle (8B over 512 ranks: 5.9 s with collections)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    return MetadataIndex(fqn, offsets) in md.storage_data
+    from dcpkit.dist import paused_gc
+
+    problems: list[Problem] = []
+    stored = md.storage_data or {}
+    with paused_gc():
+        for fqn, tmd in md.state_dict_metadata.items():
+            if not isinstance(tmd, TensorStorageMetadata):
+                if MetadataIndex(fqn, None) not in stored:
+                    problems.append(Problem(METADATA, f"{fqn}: value has no storage"))
+                continue
+            found = chunk_problems(fqn, tmd.size, tmd.chunks, first=True)
+            problems += [Problem(METADATA, p) for p in found]
+            for chunk in tmd.chunks:
+                if MetadataIndex(fqn, chunk.offsets) not in stored:
+                    problems.append(
+                        Problem(METADATA, f"{fqn}: chunk at {list(chunk.offsets)} has no storage")
+                    )
+    return problems
 
 
 def chunk_problems(
