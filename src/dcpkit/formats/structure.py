@@ -103,15 +103,16 @@ def chunk_problems(
             if first:
                 return problems
             continue
-        volume += math.prod(n)
-        if math.prod(n):  # an empty chunk holds nothing to overlap
+        elements = math.prod(n)
+        volume += elements
+        if elements:  # an empty chunk holds nothing to overlap
             inside.append((off, n))
-    overlap = _overlaps(key, shape, inside, first)
-    problems += overlap
+    problems += _overlaps(key, shape, inside, first)
     if first and problems:
         return problems
-    if covered and volume != math.prod(shape):
-        problems.append(f"{key}: chunks cover {volume} of {math.prod(shape)} elements")
+    total = math.prod(shape)
+    if covered and volume != total:
+        problems.append(f"{key}: chunks cover {volume} of {total} elements")
     return problems
 
 
