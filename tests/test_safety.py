@@ -125,6 +125,20 @@ def test_hostile_torch_save_is_refused_unless_trusted(tmp_path):
     assert marker.exists()
 
 
+def test_a_damaged_pickle_in_a_torch_save_record_is_a_value_error():
+    """A record's pickle cut short or garbled fails inside ``pickle`` in many ways (EOFError,
+    UnpicklingError, ...): every reader gets one ``ValueError`` it reports with its file."""
+    import io
+
+    from dcpkit.formats.torchpickle import RefUnpickler
+
+    whole = pickle.dumps({"lr": 0.1, "betas": (0.9, 0.95)}, protocol=2)
+    for damaged in (whole[: len(whole) // 2], whole[:1], b"\x80\x02X\xff\xff\xff\x7f", b"\xfe"):
+        with pytest.raises(ValueError, match="pickle does not parse"):
+            RefUnpickler(io.BytesIO(damaged), "archive/").load()
+    assert RefUnpickler(io.BytesIO(whole), "archive/").load() == {"lr": 0.1, "betas": (0.9, 0.95)}
+
+
 # --- hostile structure ---------------------------------------------------------------------------
 
 

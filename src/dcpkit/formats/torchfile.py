@@ -2,8 +2,9 @@
 
 ``torch.save`` writes a zip archive: a pickle (``data.pkl``) that refers to storages by key, and
 one uncompressed record per storage (``data/0``, ``data/1``, ...). The reader parses the pickle
-with an allow-list unpickler that turns every tensor into a ``TensorRef`` (record, dtype, offset,
-shape, stride) without reading its bytes; bytes are read on demand, optionally only some rows.
+with an allow-list unpickler (``dcpkit.formats.torchpickle``) that turns every tensor into a
+``TensorRef`` (record, dtype, offset, shape, stride) without reading its bytes; bytes are read
+on demand, optionally only some rows.
 The same reader opens the small ``torch.save`` archives that DCP's filesystem writer embeds in a
 ``.distcp`` file, through a window over the file. Writing: ``dcpkit.formats.torchfile_write``.
 """
@@ -12,53 +13,20 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import struct
-import warnings
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
 
 from dcpkit.formats.blocks import block
-
-
-class UnsupportedContent(ValueError):
-    """The file holds something other than tensors and plain Python values."""
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """A tensor inside a ``torch.save`` archive, not yet read."""
-
-    record: str
-    dtype: torch.dtype
-    storage_offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * _itemsize(self.dtype)
-
-    def is_contiguous(self) -> bool:
-        expected, acc = [], 1
-        for s in reversed(self.shape):
-            expected.append(acc)
-            acc *= s
-        return all(
-            st == ex or size == 1
-            for st, ex, size in zip(self.stride, reversed(expected), self.shape)
-        )
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+from dcpkit.formats.torchpickle import (  # noqa: F401  (re-exported)
+    RefUnpickler,
+    TensorRef,
+    UnsupportedContent,
+    itemsize,
+)
 
 
 class _Window(io.RawIOBase):
@@ -90,66 +58,6 @@ class _Window(io.RawIOBase):
         buf[: len(data)] = data
         self.pos += len(data)
         return len(data)
-
-
-_SAFE_GLOBALS: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "slice"): slice,
-    ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): bytearray,
-    ("torch", "Size"): torch.Size,
-    # Protocol-2 pickles spell bytes as _codecs.encode(str, "latin1").
-    ("_codecs", "encode"): __import__("codecs").encode,
-}
-
-
-def _storage_dtype(storage_type: Any) -> torch.dtype:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TypedStorage deprecation: we only read its dtype
-        dtype = getattr(storage_type, "dtype", None)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    raise UnsupportedContent(f"unknown storage type {storage_type!r}")
-
-
-def _rebuild_tensor_ref(storage, storage_offset, size, stride, *_rest):  # type: ignore[no-untyped-def]
-    record, dtype = storage
-    return TensorRef(record, dtype, int(storage_offset), tuple(size), tuple(stride))
-
-
-class _RefUnpickler(pickle.Unpickler):
-    def __init__(self, f: BinaryIO, prefix: str, trust_pickle: bool = False) -> None:
-        super().__init__(f)
-        self.prefix = prefix
-        self.trust_pickle = trust_pickle
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
-            return _rebuild_tensor_ref
-        if module == "torch" and name.endswith("Storage"):
-            return getattr(torch, name)
-        if module == "torch" and name in ("float32", "bfloat16", "float16", "int64", "int32"):
-            return getattr(torch, name)
-        if (module, name) in _SAFE_GLOBALS:
-            return _SAFE_GLOBALS[(module, name)]
-        if self.trust_pickle:  # the user wrote the file and says so: its code may run
-            return super().find_class(module, name)
-        raise UnsupportedContent(
-            f"the file refers to {module}.{name}; only tensors and plain Python values "
-            "(dicts, lists, numbers, strings, bytes) can be read without running its code "
-            "(pass --trust-pickle for a file you wrote yourself)"
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
-            raise UnsupportedContent(f"unsupported persistent id {pid!r}")
-        _, storage_type, key, _location, _numel = pid
-        dtype = (
-            torch.uint8 if storage_type is torch.UntypedStorage else _storage_dtype(storage_type)
-        )
-        return (f"{self.prefix}data/{key}", dtype)
 
 
 _END = struct.Struct("<4s4H2LH")  # end of central directory
@@ -272,7 +180,7 @@ class TorchSaveFile:
         order = self._record(order_record) if order_record in self._sizes else b"little"
         if order.strip() != b"little":
             raise ValueError("big-endian torch.save files are not supported")
-        self.obj = _RefUnpickler(io.BytesIO(self._record(pkl)), self.prefix, trust_pickle).load()
+        self.obj = RefUnpickler(io.BytesIO(self._record(pkl)), self.prefix, trust_pickle).load()
         for name in [n for n in self._offsets if not n.startswith(self.prefix + "data/")]:
             del self._offsets[name], self._sizes[name]
         self._head = b""  # parsed: an open archive holds no bytes (a load opens thousands)
@@ -286,7 +194,7 @@ class TorchSaveFile:
 
     def read(self, ref: TensorRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor (a fresh CPU tensor), or only rows ``[start, stop)`` of its first dim."""
-        item = _itemsize(ref.dtype)
+        item = itemsize(ref.dtype)
         shape = list(ref.shape)
         if rows is not None:
             if not shape:
@@ -319,7 +227,7 @@ class TorchSaveFile:
         if not ref.is_contiguous() or not ref.shape:
             return False
         row = ref.nbytes // ref.shape[0] if ref.shape[0] else 0
-        first = ref.storage_offset * _itemsize(ref.dtype) + rows[0] * row
+        first = ref.storage_offset * itemsize(ref.dtype) + rows[0] * row
         length = (rows[1] - rows[0]) * row
         if out.numel() * out.element_size() != length:
             raise ValueError(f"{out.numel()} elements cannot hold rows {rows} of {ref.shape}")
