@@ -58,7 +58,7 @@ def run_train(
 
 
 def run_script(
-    nproc: int, script: str, *args: str, timeout: int = 300
+    nproc: int, script: str, *args: str, timeout: int = 300, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
@@ -69,7 +69,9 @@ def run_script(
         str(ROOT / "tests" / "scripts" / script),
         *args,
     ]
-    proc = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc

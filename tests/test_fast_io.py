@@ -4,6 +4,7 @@ DCP's own reader at any layout, and checksums verified in the same pass."""
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 import torch
@@ -105,12 +106,15 @@ def test_checksums_verified_in_the_same_pass(tmp_path, monkeypatch, block):
     ]
 
 
-def test_a_verified_load_parses_its_metadata_once(tmp_path, monkeypatch):
-    """A verified load checks the structure of ``.metadata`` before it reads, and then reads by
-    that parse: one parse per load, verified or not (a 98 MiB one takes 4 s), and the state
-    loads back the same."""
+def test_a_load_parses_metadata_at_most_once_and_not_at_all_with_its_index(tmp_path, monkeypatch):
+    """A load reads the entries it needs from the index of ``.metadata`` that dcpkit writes at
+    every save (a verified one checks the structure from it too): no parse of ``.metadata``.
+    Without the index, a verified load checks the structure of ``.metadata`` before it reads,
+    and then reads by that parse: one parse per load, verified or not (a 98 MiB one takes 4 s).
+    The state loads back the same every way."""
     from dcpkit import CheckpointConfig, CheckpointManager
     from dcpkit.formats import dcp as dcp_format
+    from dcpkit.manifest import SEAL, sealed_bytes
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -128,16 +132,25 @@ def test_a_verified_load_parses_its_metadata_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safe_pickle, "load_metadata", counted)
     monkeypatch.setattr(dcp_format, "load_metadata", counted)
-    for verify in (False, True):
-        parses.clear()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()
-        cfg = CheckpointConfig(enable=True, interval=1, verify_on_load=verify)
-        with CheckpointManager(cfg, tmp_path, model, opt) as m:
-            assert m.load() == 1
-        assert len(parses) == 1, (verify, parses)
-        assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    step = tmp_path / "checkpoint" / "step-1"
+    assert (step / ".metadata.index").is_file()
+    for indexed in (True, False):
+        if not indexed:  # as an older dcpkit wrote it
+            (step / ".metadata.index").unlink()
+            manifest = json.loads((step / "dcpkit.json").read_text())
+            del manifest["files"][".metadata.index"]
+            manifest.pop(SEAL)
+            (step / "dcpkit.json").write_bytes(sealed_bytes(manifest))
+        for verify in (False, True):
+            parses.clear()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            cfg = CheckpointConfig(enable=True, interval=1, verify_on_load=verify)
+            with CheckpointManager(cfg, tmp_path, model, opt) as m:
+                assert m.load() == 1
+            assert len(parses) == (0 if indexed else 1), (indexed, verify, parses)
+            assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
 
 
 def test_a_damaged_archive_is_reported_with_its_tensor_and_the_rest_loads(tmp_path):

@@ -76,6 +76,9 @@ def test_planning_scale_benchmark_small(tmp_path):
         assert r["global_plans"] == (1 if planning.CACHING else 2)
         assert r["metadata_bytes"] > 0 and r["items_after_dedup"] < r["items"]
         assert r["load_parse_s"] > 0 and r["load_check_s"] > 0  # what each rank of a load pays
+        # ... and with the index instead: a rank's own chunks, its share of the checks
+        assert r["index_bytes"] > 0 and r["index_s"] > 0 and r["index_check_s"] > 0
+        assert r["load_index_s"] > 0 and 0 < r["index_chunks"] < r["items_after_dedup"]
     # A cell over the item budget is extrapolated, and says so.
     assert any(not r["measured"] for r in rows if r["model"] == "70B")
     assert (tmp_path / "planning.png").stat().st_size > 0

@@ -40,11 +40,11 @@ def _flip(path: Path, offset: int) -> None:
 
 def test_verify_names_every_flipped_file(ckpt, tmp_path):
     report = verify_path(ckpt)
-    assert report.ok and report.checksummed and report.files_checked == 3
+    assert report.ok and report.checksummed and report.files_checked == 4
     proc = cli("verify", str(ckpt))
     assert proc.returncode == 0 and proc.stdout.startswith("OK:")
     files = sorted(p.name for p in ckpt.iterdir())
-    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "dcpkit.json"]
+    assert files == [".metadata", ".metadata.index", "__0_0.distcp", "__1_0.distcp", "dcpkit.json"]
     for name in files:
         size = (ckpt / name).stat().st_size
         for offset in (0, size // 2, size - 1):

@@ -10,9 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcpkit.formats.dcp_index import bound_index
 from dcpkit.formats.sources import DCP, HF, detect_kind
-from dcpkit.formats.structure import dcp_problems, hf_problems, torch_file_problems
-from dcpkit.layout import MANIFEST
+from dcpkit.formats.structure import (
+    dcp_problems,
+    hf_problems,
+    index_mismatches,
+    index_problems,
+    torch_file_problems,
+)
+from dcpkit.layout import MANIFEST, METADATA, METADATA_INDEX
 from dcpkit.manifest import CHECKSUM_ALGORITHM, Problem
 from dcpkit.progress import progress
 from dcpkit.safe_pickle import UnsafeCheckpoint, check_file_name
@@ -39,20 +46,36 @@ def verify_checkpoint(
     checksums: bool = True,
     checksum_files: list[str] | None = None,
     require_commit: bool = False,
+    share: tuple[int, int] | None = None,
 ) -> VerifyReport:
     """Check checkpoint ``name`` of ``store``: manifest, files and structure.
 
     ``checksum_files`` limits the checksum pass to those files (ranks split the work on load).
     ``require_commit``: a checkpoint the store does not consider published is a problem (a
-    run's own steps), not a note (a checkpoint copied in by hand).
+    run's own steps), not a note (a checkpoint copied in by hand). ``share``: (rank, world):
+    with an index of ``.metadata``, this rank checks the structure of its share of the keys
+    from the index, and nothing parses ``.metadata``; without ``share`` the index is compared
+    with ``.metadata``, entry by entry.
     """
     with store.view(name, data=False) as view:
         kind = detect_kind(view.path)
         report = VerifyReport(view.location, kind)
         if kind == DCP:
-            _check_manifest(store, name, report, checksums, checksum_files)
-            problems, report.metadata = dcp_problems(view.path)
-            report.problems += problems
+            manifest = _check_manifest(store, name, report, checksums, checksum_files)
+            try:  # local files only: a remote view holds large files as sparse stand-ins
+                local = store.local_dir(name) is not None
+                index = bound_index(view.path, manifest) if local else None
+            except UnsafeCheckpoint as e:
+                index = None
+                report.problems.append(Problem(METADATA_INDEX, str(e)))
+            if index is not None and share is not None:
+                report.problems += index_problems(view.path, index, *share)
+            else:
+                problems, report.metadata = dcp_problems(view.path)
+                report.problems += problems
+                damaged = any(p.file == METADATA for p in report.problems)
+                if index is not None and report.metadata is not None and not damaged:
+                    report.problems += index_mismatches(report.metadata, index)
         elif kind == HF:
             folder = name if view.path.is_dir() else ""
             _check_manifest(store, folder, report, checksums, checksum_files)
@@ -71,7 +94,7 @@ def verify_checkpoint(
 
 def _check_manifest(
     store: Any, folder: str, report: VerifyReport, checksums: bool, names: list[str] | None
-) -> None:
+) -> dict[str, Any] | None:
     manifest, problems = store.read_manifest(folder)
     report.problems += problems
     if manifest is None:
@@ -80,7 +103,7 @@ def _check_manifest(
                 f"no {MANIFEST}: file checksums cannot be checked (not written by dcpkit); "
                 "structure checked only"
             )
-        return
+        return None
     report.problems += check_files(store, folder, manifest, names, checksums)
     if names is None:
         listed = set(manifest["files"]) | {MANIFEST} | store.own_names
@@ -91,6 +114,7 @@ def _check_manifest(
         ]
     report.files_checked = len(manifest["files"]) if names is None else len(names)
     report.checksummed = checksums
+    return manifest
 
 
 def _is_dir(store: Any, folder: str, name: str) -> bool:

@@ -15,6 +15,9 @@ import torch
 
 METADATA = ".metadata"
 """DCP's metadata file: a folder without it is not a DCP checkpoint."""
+METADATA_INDEX = ".metadata.index"
+"""dcpkit's index of ``.metadata`` (the same entries as data, per key): a rank's load reads the
+entries of its own chunks from it instead of unpickling the whole ``.metadata``."""
 MANIFEST = "dcpkit.json"
 """dcpkit's manifest: files with sizes and checksums, step, world size, versions."""
 COMMIT_MARKER = ".dcpkit-committed"

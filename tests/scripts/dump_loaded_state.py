@@ -16,8 +16,22 @@ from dcpkit.train.config import load_config
 from dcpkit.train.trainer import Trainer
 
 
+def _forbid_metadata_parses() -> None:
+    """Every parse of a whole ``.metadata`` fails: the load must read its index alone."""
+    from dcpkit import safe_pickle
+    from dcpkit.formats import dcp as dcp_format
+
+    def refused(f, where):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"{where} parsed whole: the load did not read by its index")
+
+    safe_pickle.load_metadata = refused
+    dcp_format.load_metadata = refused
+
+
 def main() -> None:
     out = sys.argv[1]
+    if os.environ.get("FORBID_METADATA_PARSE") == "1":
+        _forbid_metadata_parses()
     trainer = Trainer(load_config(sys.argv[2:]))
     step = trainer.checkpoint.load()
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -14,7 +14,15 @@ from dcpkit.engine.policy import choose_step, fallback_steps, is_seed_step
 from dcpkit.engine.restore import FailedVerification
 from dcpkit.errors import CheckpointError
 from dcpkit.integrity import verify_checkpoint
-from dcpkit.layout import HF_FILES, HF_INDEX, HF_SINGLE, METADATA, RANK_FILE, step_name
+from dcpkit.layout import (
+    HF_FILES,
+    HF_INDEX,
+    HF_SINGLE,
+    METADATA,
+    METADATA_INDEX,
+    RANK_FILE,
+    step_name,
+)
 from dcpkit.manifest import CHECKSUM_ALGORITHM
 from dcpkit.storage import StoreError, open_location
 
@@ -137,7 +145,13 @@ def verify_everywhere(
     intact. ``kept``: gets the ``Metadata`` the checks parsed, for the load to read by."""
     share = checksum_share(store, name)
     mine = None if share is None else sorted(n for n in share if only is None or n in only)
-    report = verify_checkpoint(store, name, checksum_files=mine, require_commit=require_commit)
+    report = verify_checkpoint(
+        store,
+        name,
+        checksum_files=mine,
+        require_commit=require_commit,
+        share=(dist.rank(), dist.world_size()),
+    )
     if kept is not None:
         kept["metadata"] = report.metadata
     return gather_problems(report.problems)
@@ -205,12 +219,14 @@ def restore_verified(
     fused = (  # DCP data on local files: the reader checksums it as it loads
         plan.store.local_dir(plan.name) is not None and METADATA in plan.store.list_names(plan.name)
     )
-    # .metadata is parsed before any data is read: checksummed first, whatever the mode.
-    kept: dict[str, Any] = {}  # the .metadata those checks parsed: the load reads by it
-    checked = verified(plan, config, store, only={METADATA} if fused else None, kept=kept)
+    # .metadata (and its index) are read before any data is: checksummed first, whatever the mode.
+    kept: dict[str, Any] = {}  # the .metadata those checks parsed, if any: the load reads by it
+    first = {METADATA, METADATA_INDEX}
+    checked = verified(plan, config, store, only=first if fused else None, kept=kept)
     if checked is plan and fused:
         share = checksum_share(plan.store, plan.name) or {}
-        share.pop(METADATA, None)
+        for name in first:
+            share.pop(name, None)
         md = kept.get("metadata")
         try:
             return plan, restore(

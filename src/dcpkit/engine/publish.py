@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcpkit import dist, failpoints
 from dcpkit.engine.policy import steps_to_delete
 from dcpkit.errors import CheckpointError, disk_full, first_failure
-from dcpkit.layout import METADATA, step_name
-from dcpkit.manifest import build_manifest
+from dcpkit.formats.dcp_index import encode_index
+from dcpkit.layout import METADATA, METADATA_INDEX, step_name
+from dcpkit.manifest import CHECKSUM_ALGORITHM, build_manifest
 from dcpkit.units import human_bytes
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,10 @@ def _write_once(
 
         def publish() -> None:
             all_files.update(pending.describe([METADATA]))
+            index = _index_of(planner, all_files[METADATA])
+            if index is not None:
+                pending.write_file(METADATA_INDEX, index)
+                all_files.update(pending.describe([METADATA_INDEX]))
             manifest = build_manifest(
                 info.step,
                 dist.world_size(),
@@ -164,6 +169,21 @@ def _write_once(
                 delete_steps(store, doomed)
     _raise_if(dist.broadcast_object(failure, group=group))
     return Published(checksum_s, doomed)
+
+
+def _index_of(planner: Any, written: dict[str, Any]) -> bytes | None:
+    """The index of the ``.metadata`` just written (``written``: its size and checksum), from
+    the coordinator's planner, which holds it: never parsed back. None when the planner is DCP's
+    own (not reachable), or the metadata holds what the index cannot express; loads then read
+    ``.metadata`` itself."""
+    md = getattr(planner, "metadata", None)
+    if md is None or not getattr(md, "storage_data", None):
+        return None
+    try:
+        return encode_index(md, written["size"], written[CHECKSUM_ALGORITHM])
+    except Exception as e:  # derived data: the checkpoint is whole without it
+        logger.warning("checkpoint: no index of %s written (%s); loads read it whole", METADATA, e)
+        return None
 
 
 def _attempt(step: Any, info: StepInfo, state: dict[str, Any]) -> tuple[str, bool] | None:

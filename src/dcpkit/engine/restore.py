@@ -31,6 +31,7 @@ from dcpkit.engine.states import (
     rng_source_rank,
 )
 from dcpkit.errors import CheckpointError, first_failure
+from dcpkit.formats.dcp_index import bound_index
 from dcpkit.formats.dcp_reader import DirectFileSystemReader
 from dcpkit.layout import HF_FILES, METADATA, MODEL, RNG, is_model_key
 from dcpkit.manifest import format_problem
@@ -81,9 +82,9 @@ def restore(
     unknown = format_problem(manifest) if manifest is not None else None
     if unknown is not None:
         raise CheckpointError(f"{location}: {unknown}")
-    reader = dcp_reader(store, name, checksums, metadata)
     try:
-        metadata = reader.read_metadata()
+        reader = dcp_reader(store, name, checksums, metadata, manifest)
+        metadata = getattr(reader, "catalog", reader.read_metadata)()
     except FileNotFoundError:
         raise CheckpointError(f"{location} is not a checkpoint: it has no {METADATA}") from None
     except UnsafeCheckpoint as e:
@@ -134,6 +135,11 @@ def restore(
     elif want_rng:
         why = "a model-only save" if (manifest or {}).get("model_only") else "not written by dcpkit"
         logger.warning("checkpoint: %s holds no RNG state (%s); RNG starts fresh", location, why)
+    if hasattr(reader, "select"):
+        try:
+            reader.select(template)
+        except UnsafeCheckpoint as e:
+            raise CheckpointError(str(e)) from None
     _load(template, reader, location, gather=not own_rank and dist.is_dist())
     model.load_state_dict({k: template[k] for k in model_sd})
     for group in wanted:
@@ -271,13 +277,19 @@ class FailedVerification(CheckpointError):
 
 
 def dcp_reader(
-    store: Any, name: str, checksums: dict[str, str] | None = None, metadata: Any = None
+    store: Any,
+    name: str,
+    checksums: dict[str, str] | None = None,
+    metadata: Any = None,
+    manifest: Any = None,
 ) -> Any:
     """The reader of checkpoint ``name``: direct reads into the destination tensors when its
-    files are local (verifying ``checksums`` as they stream through), else the store's own."""
+    files are local (verifying ``checksums`` as they stream through; through the index of its
+    ``.metadata`` when ``manifest`` lists one), else the store's own."""
     folder = store.local_dir(name)
     if folder is not None:
-        return DirectFileSystemReader(folder, checksums=checksums, metadata=metadata)
+        index = None if metadata is not None else bound_index(Path(folder), manifest)
+        return DirectFileSystemReader(folder, checksums=checksums, metadata=metadata, index=index)
     if checksums:
         raise ValueError("checksums are verified while loading local files only")
     return store.dcp_reader(name)

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from dcpkit.formats.dcp import DCPCheckpoint, NotACheckpoint
+from dcpkit.formats.dcp_index import Box, DcpIndex
 from dcpkit.formats.safetensors import read_header
-from dcpkit.layout import HF_INDEX, METADATA
+from dcpkit.layout import HF_INDEX, METADATA, METADATA_INDEX
 from dcpkit.manifest import Problem
+from dcpkit.safe_pickle import UnsafeCheckpoint
 
 
 def dcp_problems(folder: Path) -> tuple[list[Problem], Any]:
@@ -28,10 +30,7 @@ def dcp_problems(folder: Path) -> tuple[list[Problem], Any]:
         return [Problem(METADATA, str(e))], None
     with ckpt:
         md = ckpt.metadata
-        sizes: dict[str, int] = {}
-        for entry in folder.iterdir():
-            if entry.is_file():
-                sizes[entry.name] = entry.stat().st_size
+        sizes = _file_sizes(folder)
         referenced: set[str] = set()
         for index, info in md.storage_data.items():
             referenced.add(info.relative_path)
@@ -48,6 +47,98 @@ def dcp_problems(folder: Path) -> tuple[list[Problem], Any]:
                 )
         problems += metadata_problems(md)
     return problems, md
+
+
+def _file_sizes(folder: Path) -> dict[str, int]:
+    return {e.name: e.stat().st_size for e in folder.iterdir() if e.is_file()}
+
+
+def index_problems(folder: Path, index: DcpIndex, rank: int = 0, world: int = 1) -> list[Problem]:
+    """What ``dcp_problems`` checks, read from the index of ``.metadata`` instead, for the keys
+    ``rank`` checks of ``world`` (each key by one rank): a load's ranks share the checks, and
+    none parses the whole ``.metadata``."""
+    problems: list[Problem] = []
+    sizes = _file_sizes(folder)
+    with index.mapped():
+        for fqn in list(index.keys())[rank::world]:
+            e = index.entries[fqn]
+            try:
+                rows = [e["b"]] if "b" in e else index.rows(fqn)
+            except UnsafeCheckpoint as err:
+                problems.append(Problem(METADATA_INDEX, str(err)))
+                continue
+            if "b" not in e:
+                boxes = [Box(o, k) for o, k, _ in rows]
+                found = chunk_problems(fqn, e["size"], boxes, first=True)
+                problems += [Problem(METADATA, p) for p in found]
+                rows = [extra for _, _, extra in rows]
+            for f, offset, length in rows:
+                name = index.files[f]
+                size = sizes.get(name)
+                if size is None:
+                    problems.append(Problem(name, f"is missing (it holds {fqn})"))
+                elif offset + length > size:
+                    problems.append(
+                        Problem(
+                            name,
+                            f"is {size} bytes, too short for {fqn} (ends at byte "
+                            f"{offset + length}): truncated",
+                        )
+                    )
+    return problems
+
+
+def index_mismatches(md: Any, index: DcpIndex) -> list[Problem]:
+    """Where the index says otherwise than ``.metadata`` (``md``), entry by entry."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    from dcpkit.dist import paused_gc
+
+    problems: list[Problem] = []
+    stored = md.storage_data or {}
+
+    def differs(fqn: str, why: str) -> None:
+        problems.append(Problem(METADATA_INDEX, f"{fqn}: {why}, unlike {METADATA}"))
+
+    with paused_gc(), index.mapped():
+        for fqn in set(index.keys()) - set(md.state_dict_metadata):
+            differs(fqn, "an entry")
+        for fqn, tmd in md.state_dict_metadata.items():
+            e = index.entries.get(fqn)
+            if e is None or ("b" in e) == isinstance(tmd, TensorStorageMetadata):
+                differs(fqn, "no entry" if e is None else "another kind of entry")
+                continue
+            if "b" in e:
+                info = stored.get(MetadataIndex(fqn, None))
+                f, offset, length = e["b"]
+                if info is None or (info.relative_path, info.offset, info.length) != (
+                    index.files[f],
+                    offset,
+                    length,
+                ):
+                    differs(fqn, "another storage entry")
+                continue
+            if (e["size"], e["dtype"], e["grad"]) != (
+                list(tmd.size),
+                tmd.properties.dtype,
+                bool(tmd.properties.requires_grad),
+            ):
+                differs(fqn, f"shape {e['size']}, dtype {e['dtype']}")
+                continue
+            try:
+                rows = index.rows(fqn)
+            except UnsafeCheckpoint as err:
+                problems.append(Problem(METADATA_INDEX, str(err)))
+                continue
+            mine = {(tuple(o), tuple(k), index.files[f], a, n) for o, k, (f, a, n) in rows}
+            theirs = set()
+            for c in tmd.chunks:
+                info = stored.get(MetadataIndex(fqn, c.offsets))
+                where = (info.relative_path, info.offset, info.length) if info else None
+                theirs.add((tuple(c.offsets), tuple(c.sizes), *(where or (None, None, None))))
+            if mine != theirs or len(rows) != len(tmd.chunks):
+                differs(fqn, f"{len(rows)} chunks (or their storage) differ from its own")
+    return problems
 
 
 def metadata_problems(md: Any) -> list[Problem]:

@@ -177,6 +177,10 @@ class PendingStep(ABC):
     def write_manifest(self, manifest: dict[str, Any]) -> None: ...
 
     @abstractmethod
+    def write_file(self, name: str, data: bytes) -> None:
+        """Write file ``name`` of the step (beside DCP's files, before the manifest)."""
+
+    @abstractmethod
     def _commit(self) -> None: ...
 
     @abstractmethod

@@ -296,6 +296,12 @@ class FsspecPending(PendingStep):
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         self.store.write_bytes(f"{self.name}/{MANIFEST}", sealed_bytes(manifest))
 
+    def write_file(self, name: str, data: bytes) -> None:
+        if self._scratch is not None:  # written locally, uploaded at publish
+            (self.scratch() / name).write_bytes(data)
+        else:
+            self.store.write_bytes(f"{self.name}/{name}", data)
+
     def _commit(self) -> None:
         if self._scratch is not None:
             local = self.scratch()

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from dcpkit.dist import io_threads
@@ -239,7 +240,8 @@ class LocalPending(PendingStep):
         for name in names:
             path = self.tmp / name
             size = path.stat().st_size
-            digest, written = self.digests.get(name, ("", -1))
+            # DCP writes ``.metadata`` as ``.metadata.tmp`` and renames it
+            digest, written = self.digests.get(name) or self.digests.get(f"{name}.tmp", ("", -1))
             if written != size:  # not written by this process's DCP writer: read it back
                 with open(path, "rb") as f:
                     digest = checksum_stream(f)
@@ -248,6 +250,10 @@ class LocalPending(PendingStep):
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         write_durably(self.tmp / MANIFEST, sealed_bytes(manifest))
+
+    def write_file(self, name: str, data: bytes) -> None:
+        write_durably(self.tmp / name, data)
+        self.digests[name] = xxhash.xxh3_64_hexdigest(data), len(data)
 
     def _commit(self) -> None:
         if self.is_dir:
