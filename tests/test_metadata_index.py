@@ -254,3 +254,24 @@ def test_a_corrupt_index_fails_a_verified_load_by_its_checksum(tmp_path):
     with pytest.raises(CheckpointError) as e:
         _load(tmp_path, model, opt, verify=True)
     assert ".metadata.index: checksum mismatch" in str(e.value)
+
+
+def test_a_destination_of_another_shape_fails_as_it_does_without_the_index(tmp_path):
+    """The index changes what a load reads, never its verdict: a parameter of another shape is
+    DCP's own error, the same with the index and without it."""
+    _, _, step = _saved(tmp_path)
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))
+    opt = torch.optim.AdamW(other.parameters())
+    errors = []
+    for indexed in (True, False):
+        if not indexed:
+            (step / ".metadata.index").unlink()
+            manifest = json.loads((step / "dcpkit.json").read_text())
+            del manifest["files"][".metadata.index"]
+            manifest.pop(SEAL)
+            (step / "dcpkit.json").write_bytes(sealed_bytes(manifest))
+        with pytest.raises(CheckpointError) as e:
+            _load(tmp_path, other, opt, verify=False)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "Size mismatch" in errors[0], errors

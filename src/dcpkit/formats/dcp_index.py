@@ -139,7 +139,8 @@ def _sort_dim(rows: list[tuple[Any, Any, Any]], ndim: int) -> int:
 
 
 class DcpIndex:
-    """An index file, mapped read-only; ``select`` builds a rank's ``Metadata`` from it."""
+    """An index file; ``metadata`` builds a rank's DCP ``Metadata`` from it, reading its tables
+    through a read-only mapping."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -335,7 +336,7 @@ class DcpIndex:
                 props = TensorProperties(dtype=e["dtype"], requires_grad=e["grad"])
                 found = []
                 if chunks:
-                    regions = None if wanted is None else wanted[fqn]
+                    regions = None if wanted is None else _inside(wanted[fqn], e["size"])
                     rows = self.rows(fqn, regions)
                     self._check_cover(fqn, e["size"], rows, regions)
                     for i, (offsets, sizes, (f, offset, length)) in enumerate(rows):
@@ -346,6 +347,18 @@ class DcpIndex:
                         )
                 state[fqn] = TensorStorageMetadata(props, torch.Size(e["size"]), found)
         return Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta())
+
+
+def _inside(regions: list[Region] | None, shape: list[int]) -> list[Region] | None:
+    """``regions`` when each lies inside ``shape``; else None (every chunk: DCP then reports
+    that the destination's shape is not the stored one, as it does without an index)."""
+    if regions is None or all(
+        len(off) == len(sizes) == len(shape)
+        and all(o >= 0 and n >= 0 and o + n <= s for o, n, s in zip(off, sizes, shape))
+        for off, sizes in regions
+    ):
+        return regions
+    return None
 
 
 class Box:
