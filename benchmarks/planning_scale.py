@@ -18,11 +18,17 @@ shapes through dcpkit's ``CachingPlanner``: every rank sends an empty plan, the 
 the cached plan and metadata, and the global plannings are counted (1, not 2). And what every
 rank of a load pays for that ``.metadata``, at every load: its parse by dcpkit's safe reader, and
 the checks a verified load or ``dcpkit verify`` runs on it (chunks in bounds, disjoint, covering
-every tensor, each with its storage entry).
+every tensor, each with its storage entry). Beside them, the index of ``.metadata`` that dcpkit
+writes at every save: what the coordinator pays to make it (from the metadata in memory) and its
+size, and what one rank of a load at the same layout pays instead of the parse (reading the
+entries of its own chunks from it: ``DcpIndex.metadata``) and instead of the checks (its share
+of them, read from the index: ``index_problems``, the data files stood in by sparse files of
+their true sizes).
 
 Each cell runs in a process of its own (its peak memory is its own). A cell whose plans hold more
 than ``--max-items`` write items in all is not run on this machine: its figures are extrapolated
-linearly from the measured cells of the same model, and marked so. Replicated write items (the
+linearly from the measured cells of the same model (what one rank pays with the index, which
+does not grow linearly, along a log-log fit of them), and marked so. Replicated write items (the
 same on every rank) are one object shared by the ranks' plans, so the memory figure counts the
 sharded items only; a real coordinator unpickles a copy per rank.
 """
@@ -240,12 +246,13 @@ def cell(flavor: str, world: int, stock: bool) -> dict:
     t0 = time.perf_counter()
     parsed = load_metadata(io.BytesIO(written), ".metadata")
     parse_s = time.perf_counter() - t0
-    del written
     t0 = time.perf_counter()
     problems = metadata_problems(parsed)
     check_s = time.perf_counter() - t0
     assert not problems, problems[:3]
     del parsed
+    index = _index_side(metadata, written, plans, world)
+    del written
     kept = sum(len(p.items) for p in final)
     # The second save of the same shapes: every rank's local plan is unchanged and sent empty.
     empty = [SavePlan([], usable=False)] * world
@@ -275,6 +282,7 @@ def cell(flavor: str, world: int, stock: bool) -> dict:
         "metadata_bytes": metadata_bytes,
         "load_parse_s": parse_s,
         "load_check_s": check_s,
+        **index,
         "peak_bytes": peak,
         "cached_global_plan_s": cached_s,
         "cached_gathered_bytes": cached_gathered,
@@ -290,7 +298,72 @@ METRICS = (
     "gathered_bytes",
     "load_parse_s",
     "load_check_s",
+    "index_s",
+    "index_bytes",
+    "load_index_s",
+    "index_check_s",
 )
+
+
+PER_RANK = ("load_index_s", "index_check_s")
+"""What one rank pays with the index: about constant in the ranks, extrapolated along a
+log-log fit of the measured cells (a straight line through them would turn negative)."""
+
+
+def _index_side(metadata, written: bytes, plans: list, world: int) -> dict:  # type: ignore[type-arg]
+    """The index of ``.metadata`` (``written``): what the save's coordinator pays to make it,
+    and what one rank of a load at the same layout pays to read its own entries from it and to
+    check its share of the structure (a verified load), the data files stood in by sparse files
+    of their real sizes."""
+    import tempfile
+
+    import xxhash
+
+    from dcpkit.formats.dcp_index import DcpIndex, encode_index
+    from dcpkit.formats.structure import index_problems
+
+    t0 = time.perf_counter()
+    data = encode_index(metadata, len(written), xxhash.xxh3_64_hexdigest(written))
+    index_s = time.perf_counter() - t0
+    assert data is not None
+    rank = world // 2  # a rank in the middle of the mesh
+    wanted: dict = {}
+    for item in plans[rank].items:
+        chunk = item.tensor_data.chunk if item.tensor_data is not None else None
+        region = (list(chunk.offsets), list(chunk.sizes)) if chunk is not None else None
+        wanted.setdefault(item.index.fqn, [] if region else None)
+        if region:
+            wanted[item.index.fqn].append(region)
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    with tempfile.TemporaryDirectory(prefix="dcpkit-index-") as tmp:
+        folder = Path(tmp)
+        (folder / ".metadata.index").write_bytes(data)
+        for name, end in ends.items():
+            with open(folder / name, "wb") as f:
+                f.truncate(end)
+        loads, checks = [], []
+        for _ in range(3):  # the median of three: one rank's figures are tenths of a second
+            t0 = time.perf_counter()
+            index = DcpIndex(folder / ".metadata.index")
+            mine = index.metadata(wanted)
+            loads.append(time.perf_counter() - t0)
+            assert set(mine.state_dict_metadata) == set(wanted)
+            t0 = time.perf_counter()
+            problems = index_problems(folder, index, rank, world)
+            checks.append(time.perf_counter() - t0)
+            assert not problems, problems[:3]
+        load_s, check_s = sorted(loads)[1], sorted(checks)[1]
+    return {
+        "index_s": index_s,
+        "index_bytes": len(data),
+        "load_index_s": load_s,
+        "index_check_s": check_s,
+        "index_chunks": sum(
+            len(getattr(m, "chunks", ())) for m in mine.state_dict_metadata.values()
+        ),
+    }
 
 
 def _s(v: float | None) -> str:
@@ -369,7 +442,10 @@ def main() -> int:
                 f".metadata {r['metadata_bytes'] / 2**20:8.1f} MiB, "
                 f"peak {r['peak_bytes'] / 2**30:5.2f} GiB, cached {r['cached_global_plan_s']:.4f} s"
                 f", global plannings {r['global_plans']}; a load's parse "
-                f"{r['load_parse_s']:.2f} s, chunk checks {r['load_check_s']:.2f} s",
+                f"{r['load_parse_s']:.2f} s, structure checks {r['load_check_s']:.2f} s; index "
+                f"{r['index_bytes'] / 2**20:.1f} MiB made in {r['index_s']:.2f} s, a rank reads "
+                f"its {r['index_chunks']} chunks in {r['load_index_s']:.3f} s, checks its share "
+                f"in {r['index_check_s']:.3f} s",
                 flush=True,
             )
     growth = {}
@@ -383,6 +459,12 @@ def main() -> int:
             if any(r["model"] == m and r["world"] == w for r in rows):
                 continue
             est = {k: fits[k][0] + fits[k][1] * w for k in METRICS}
+            for k in PER_RANK:  # they do not grow linearly: along their log-log fit
+                pts = [(r["world"], r[k]) for r in measured if r["world"] >= 32] or [
+                    (r["world"], r[k]) for r in measured
+                ]
+                a, g = _fit([(math.log(x), math.log(y)) for x, y in pts])
+                est[k] = math.exp(a + g * math.log(w))
             rows.append(
                 {"model": m, "world": w, "items": items_per_rank(m) * w, "measured": False, **est}
             )
@@ -390,7 +472,8 @@ def main() -> int:
     print(
         f"\n{'model':>5} {'ranks':>6} {'items M':>8} {'plan s':>8} {'DCP s':>7} "
         f"{'.metadata MiB':>14} {'gathered MiB':>13} {'peak GiB':>9} {'cached s':>9} "
-        f"{'plannings':>9} {'load parse s':>12} {'checks s':>8}"
+        f"{'plannings':>9} {'load parse s':>12} {'checks s':>8} {'index MiB':>9} "
+        f"{'made s':>7} {'rank reads s':>12} {'its checks s':>12}"
     )
     for r in rows:
         tag = "" if r["measured"] else "  (extrapolated)"
@@ -401,7 +484,8 @@ def main() -> int:
             f"{_s(r.get('dcp_global_plan_s')).replace(' s', '').replace('not run', '-'):>7} "
             f"{r['metadata_bytes'] / 2**20:>14.1f} {r['gathered_bytes'] / 2**20:>13.1f} "
             f"{r['peak_bytes'] / 2**30:>9.2f} {cached} {plans} {r['load_parse_s']:>12.2f} "
-            f"{r['load_check_s']:>8.2f}{tag}"
+            f"{r['load_check_s']:>8.2f} {r['index_bytes'] / 2**20:>9.1f} {r['index_s']:>7.2f} "
+            f"{r['load_index_s']:>12.3f} {r['index_check_s']:>12.3f}{tag}"
         )
     print("\ngrowth exponent, log-log fit over the measured world sizes >= 32 (1.0 = linear):")
     for m, g in growth.items():
