@@ -393,20 +393,3 @@ def bound_index(folder: Path, manifest: dict[str, Any] | None) -> DcpIndex | Non
             f"the file {size}"
         )
     return index
-
-
-def local_regions(template: dict[str, Any]) -> dict[str, list[Region] | None]:
-    """What each flattened key of a load's ``template`` needs, as DCP's planner will ask: a
-    DTensor its local chunks, a tensor the whole of it, anything else the whole entry."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, _ = flatten_state_dict(template)
-    out: dict[str, list[Region] | None] = {}
-    for fqn, value in flat.items():
-        if hasattr(value, "__create_chunk_list__"):  # a DTensor: its local shard
-            out[fqn] = [(list(c.offsets), list(c.sizes)) for c in value.__create_chunk_list__()]
-        elif isinstance(value, torch.Tensor):
-            out[fqn] = [([0] * value.dim(), list(value.shape))]
-        else:
-            out[fqn] = None
-    return out

@@ -34,7 +34,7 @@ from torch.futures import Future
 
 from dcpkit.dist import io_threads
 from dcpkit.formats import torchfile
-from dcpkit.formats.dcp_index import DcpIndex, local_regions
+from dcpkit.formats.dcp_index import DcpIndex, Region
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.manifest import Problem
 from dcpkit.safe_pickle import safe_reader
@@ -164,6 +164,23 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         finally:
             for f, _ in handles.values():
                 f.close()
+
+
+def local_regions(template: dict[str, Any]) -> dict[str, list[Region] | None]:
+    """What each flattened key of a load's ``template`` needs, as DCP's planner will ask: a
+    DTensor its local chunks, a tensor the whole of it, anything else the whole entry."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(template)
+    out: dict[str, list[Region] | None] = {}
+    for fqn, value in flat.items():
+        if hasattr(value, "__create_chunk_list__"):  # a DTensor: its local shard
+            out[fqn] = [(list(c.offsets), list(c.sizes)) for c in value.__create_chunk_list__()]
+        elif isinstance(value, torch.Tensor):
+            out[fqn] = [([0] * value.dim(), list(value.shape))]
+        else:
+            out[fqn] = None
+    return out
 
 
 def _open_archives(
