@@ -31,26 +31,34 @@ def dcp_problems(folder: Path) -> tuple[list[Problem], Any]:
     with ckpt:
         md = ckpt.metadata
         sizes = _file_sizes(folder)
-        referenced: set[str] = set()
         for index, info in md.storage_data.items():
-            referenced.add(info.relative_path)
-            size = sizes.get(info.relative_path)
-            if size is None:
-                problems.append(Problem(info.relative_path, f"is missing (it holds {index.fqn})"))
-            elif info.offset + info.length > size:
-                problems.append(
-                    Problem(
-                        info.relative_path,
-                        f"is {size} bytes, too short for {index.fqn} (ends at byte "
-                        f"{info.offset + info.length}): truncated",
-                    )
-                )
+            problems += _storage_problem(
+                sizes, index.fqn, info.relative_path, info.offset, info.length
+            )
         problems += metadata_problems(md)
     return problems, md
 
 
 def _file_sizes(folder: Path) -> dict[str, int]:
     return {e.name: e.stat().st_size for e in folder.iterdir() if e.is_file()}
+
+
+def _storage_problem(
+    sizes: dict[str, int], fqn: str, name: str, offset: int, length: int
+) -> list[Problem]:
+    """A storage entry of ``fqn`` (``length`` bytes at ``offset`` of file ``name``) that its
+    file (``sizes``: the folder's files) cannot hold."""
+    size = sizes.get(name)
+    if size is None:
+        return [Problem(name, f"is missing (it holds {fqn})")]
+    if offset + length > size:
+        return [
+            Problem(
+                name,
+                f"is {size} bytes, too short for {fqn} (ends at byte {offset + length}): truncated",
+            )
+        ]
+    return []
 
 
 def index_problems(folder: Path, index: DcpIndex, rank: int = 0, world: int = 1) -> list[Problem]:
@@ -73,18 +81,7 @@ def index_problems(folder: Path, index: DcpIndex, rank: int = 0, world: int = 1)
                 problems += [Problem(METADATA, p) for p in found]
                 rows = [extra for _, _, extra in rows]
             for f, offset, length in rows:
-                name = index.files[f]
-                size = sizes.get(name)
-                if size is None:
-                    problems.append(Problem(name, f"is missing (it holds {fqn})"))
-                elif offset + length > size:
-                    problems.append(
-                        Problem(
-                            name,
-                            f"is {size} bytes, too short for {fqn} (ends at byte "
-                            f"{offset + length}): truncated",
-                        )
-                    )
+                problems += _storage_problem(sizes, fqn, index.files[f], offset, length)
     return problems
 
 
