@@ -111,9 +111,11 @@ def test_a_load_parses_metadata_at_most_once_and_not_at_all_with_its_index(tmp_p
     every save (a verified one checks the structure from it too): no parse of ``.metadata``.
     Without the index, a verified load checks the structure of ``.metadata`` before it reads,
     and then reads by that parse: one parse per load, verified or not (a 98 MiB one takes 4 s).
+    The index is opened once per load too: a verified load reads by the one its checks read.
     The state loads back the same every way."""
     from dcpkit import CheckpointConfig, CheckpointManager
     from dcpkit.formats import dcp as dcp_format
+    from dcpkit.formats import dcp_index
     from dcpkit.manifest import SEAL, sealed_bytes
 
     torch.manual_seed(0)
@@ -132,6 +134,14 @@ def test_a_load_parses_metadata_at_most_once_and_not_at_all_with_its_index(tmp_p
 
     monkeypatch.setattr(safe_pickle, "load_metadata", counted)
     monkeypatch.setattr(dcp_format, "load_metadata", counted)
+    opened = []
+    open_index = dcp_index.DcpIndex.__init__
+
+    def counted_index(self, path):  # type: ignore[no-untyped-def]
+        opened.append(path)
+        open_index(self, path)
+
+    monkeypatch.setattr(dcp_index.DcpIndex, "__init__", counted_index)
     step = tmp_path / "checkpoint" / "step-1"
     assert (step / ".metadata.index").is_file()
     for indexed in (True, False):
@@ -143,6 +153,7 @@ def test_a_load_parses_metadata_at_most_once_and_not_at_all_with_its_index(tmp_p
             (step / "dcpkit.json").write_bytes(sealed_bytes(manifest))
         for verify in (False, True):
             parses.clear()
+            opened.clear()
             with torch.no_grad():
                 for p in model.parameters():
                     p.zero_()
@@ -150,6 +161,7 @@ def test_a_load_parses_metadata_at_most_once_and_not_at_all_with_its_index(tmp_p
             with CheckpointManager(cfg, tmp_path, model, opt) as m:
                 assert m.load() == 1
             assert len(parses) == (0 if indexed else 1), (indexed, verify, parses)
+            assert len(opened) == (1 if indexed else 0), (indexed, verify, opened)
             assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
 
 

@@ -34,6 +34,7 @@ class VerifyReport:
     files_checked: int = 0
     checksummed: bool = False
     metadata: Any = field(default=None, repr=False)  # DCP's, as parsed for the checks
+    index: Any = field(default=None, repr=False)  # the index of .metadata the checks read
 
     @property
     def ok(self) -> bool:
@@ -70,6 +71,7 @@ def verify_checkpoint(
                 report.problems.append(Problem(METADATA_INDEX, str(e)))
             if index is not None and share is not None:
                 report.problems += index_problems(view.path, index, *share)
+                report.index = index
             else:
                 problems, report.metadata = dcp_problems(view.path)
                 report.problems += problems

@@ -142,7 +142,8 @@ def verify_everywhere(
 ) -> list[str]:
     """Problems with checkpoint ``name``; every rank checksums its share of the files (of
     ``only`` these, when given; sizes and structure are checked for all). Empty when it is
-    intact. ``kept``: gets the ``Metadata`` the checks parsed, for the load to read by."""
+    intact. ``kept``: gets the ``Metadata`` the checks parsed, or the index of ``.metadata``
+    they read, for the load to read by."""
     share = checksum_share(store, name)
     mine = None if share is None else sorted(n for n in share if only is None or n in only)
     report = verify_checkpoint(
@@ -153,7 +154,7 @@ def verify_everywhere(
         share=(dist.rank(), dist.world_size()),
     )
     if kept is not None:
-        kept["metadata"] = report.metadata
+        kept["metadata"], kept["index"] = report.metadata, report.index
     return gather_problems(report.problems)
 
 
@@ -220,17 +221,17 @@ def restore_verified(
         plan.store.local_dir(plan.name) is not None and METADATA in plan.store.list_names(plan.name)
     )
     # .metadata (and its index) are read before any data is: checksummed first, whatever the mode.
-    kept: dict[str, Any] = {}  # the .metadata those checks parsed, if any: the load reads by it
+    kept: dict[str, Any] = {}  # the .metadata or index those checks read: the load reads by it
     first = {METADATA, METADATA_INDEX}
     checked = verified(plan, config, store, only=first if fused else None, kept=kept)
     if checked is plan and fused:
         share = checksum_share(plan.store, plan.name) or {}
         for name in first:
             share.pop(name, None)
-        md = kept.get("metadata")
+        md, index = kept.get("metadata"), kept.get("index")
         try:
             return plan, restore(
-                plan.store, plan.name, plan.model_only, checksums=share, metadata=md
+                plan.store, plan.name, plan.model_only, checksums=share, metadata=md, index=index
             )
         except FailedVerification as e:
             checked = fallback(plan, e.problems, config, store)

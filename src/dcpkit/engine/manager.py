@@ -151,7 +151,7 @@ class CheckpointManager:
         name: str,
         model_only: bool,
         own_rank: bool = False,
-        **reader: Any,  # checksums, metadata: see restore()
+        **reader: Any,  # checksums, metadata, index: see restore()
     ) -> list[str]:
         return restore(
             store,

@@ -65,12 +65,14 @@ def restore(
     own_rank: bool = False,
     checksums: dict[str, str] | None = None,
     metadata: Any = None,
+    index: Any = None,
 ) -> list[str]:
     """Load checkpoint ``name`` of ``store`` into the live state; returns the pieces restored.
     ``checksums``: this rank's share of the files to verify as they are read (local files);
     a mismatch raises :class:`FailedVerification` once every rank has read, with the live
     state partly loaded (load another checkpoint, or stop). ``metadata``: its ``.metadata``,
-    parsed by the checks before (local files only), not parsed again.
+    parsed by the checks before (local files only), not parsed again; ``index``: likewise its
+    index, as the checks read it.
     ``own_rank``: a checkpoint of this rank alone (the memory tier), read without collectives,
     its per-rank values and RNG this rank's own."""
     location = store.location(name)
@@ -83,7 +85,7 @@ def restore(
     if unknown is not None:
         raise CheckpointError(f"{location}: {unknown}")
     try:
-        reader = dcp_reader(store, name, checksums, metadata, manifest)
+        reader = dcp_reader(store, name, checksums, metadata, manifest, index)
         metadata = getattr(reader, "catalog", reader.read_metadata)()
     except FileNotFoundError:
         raise CheckpointError(f"{location} is not a checkpoint: it has no {METADATA}") from None
@@ -282,13 +284,18 @@ def dcp_reader(
     checksums: dict[str, str] | None = None,
     metadata: Any = None,
     manifest: Any = None,
+    index: Any = None,
 ) -> Any:
     """The reader of checkpoint ``name``: direct reads into the destination tensors when its
     files are local (verifying ``checksums`` as they stream through; through the index of its
-    ``.metadata`` when ``manifest`` lists one), else the store's own."""
+    ``.metadata`` when ``manifest`` lists one, or ``index`` when the checks read it already),
+    else the store's own."""
     folder = store.local_dir(name)
     if folder is not None:
-        index = None if metadata is not None else bound_index(Path(folder), manifest)
+        if metadata is not None:
+            index = None
+        elif index is None:
+            index = bound_index(Path(folder), manifest)
         return DirectFileSystemReader(folder, checksums=checksums, metadata=metadata, index=index)
     if checksums:
         raise ValueError("checksums are verified while loading local files only")
