@@ -134,6 +134,26 @@ def test_verify_names_the_same_fault_the_same_way(root, tmp_path):
     )
 
 
+def test_a_view_holds_metadata_and_its_index_whole_whatever_their_size(root, tmp_path, monkeypatch):
+    """A remote checkpoint's view (behind verify, inspect, the conversions) holds large files
+    as sparse stand-ins of their size, but never ``.metadata`` or its index: at thousands of
+    ranks they are hundreds of MiB and are what the tools read by."""
+    from dcpkit.formats.dcp import DCPCheckpoint
+    from dcpkit.layout import METADATA, METADATA_INDEX
+    from dcpkit.storage import fsspec as fsspec_store
+
+    monkeypatch.setattr(fsspec_store, "_SMALL_FILE", 0)  # every file counts as large
+    model = _save_steps(root, tmp_path, [1])
+    store = open_store(root)
+    report = verify_checkpoint(store, "step-1")  # the index compared with .metadata, entry by entry
+    assert report.ok, report.problems
+    with store.view("step-1", data=False) as view:
+        for name in (METADATA, METADATA_INDEX):
+            assert (view.path / name).read_bytes() == store.read_bytes(f"step-1/{name}")
+        with DCPCheckpoint(view.path) as ckpt:
+            assert set(model.state_dict()) <= set(ckpt.metadata.state_dict_metadata)
+
+
 def test_conversion_outputs_publish_through_the_store(root, tmp_path):
     _save_steps(root, tmp_path, [1])
     store = open_store(root)

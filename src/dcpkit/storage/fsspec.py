@@ -27,7 +27,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from dcpkit.layout import COMMIT_MARKER, MANIFEST, STAGING_SUFFIX, parse_step
+from dcpkit.layout import (
+    COMMIT_MARKER,
+    MANIFEST,
+    METADATA,
+    METADATA_INDEX,
+    STAGING_SUFFIX,
+    parse_step,
+)
 from dcpkit.manifest import CHUNK, sealed_bytes
 from dcpkit.safe_pickle import safe_reader
 from dcpkit.storage.base import (
@@ -194,17 +201,17 @@ class FsspecStore(CheckpointStore):
             tmp.cleanup()
 
     def _skeleton(self, name: str, dest: Path) -> None:
-        """Small files whole; ``.distcp`` and other large files as sparse files of their true
-        size; ``.safetensors`` files as their header in a sparse file of their true size."""
+        """``.metadata``, its index and small files whole; ``.distcp`` and other large files as
+        sparse files of their true size; ``.safetensors`` files as their header in a sparse
+        file of their true size."""
         dest.mkdir()
         for entry in self.fs.ls(self._p(name), detail=True, refresh=True):
             if entry.get("type") != "file":
                 continue
             file = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             size, local = int(entry["size"]), dest / file
-            if file.endswith(".distcp") or (
-                size > _SMALL_FILE and not file.endswith(".safetensors")
-            ):
+            large = size > _SMALL_FILE and not file.endswith(".safetensors")
+            if file not in (METADATA, METADATA_INDEX) and (file.endswith(".distcp") or large):
                 with open(local, "wb") as f:
                     f.truncate(size)
             elif file.endswith(".safetensors"):
