@@ -134,6 +134,50 @@ def test_verify_names_the_same_fault_the_same_way(root, tmp_path):
     )
 
 
+def test_a_load_reads_by_the_index_of_metadata_on_every_store(root, tmp_path, monkeypatch):
+    """On every store, a load plain or verified plans from the index of ``.metadata`` (a remote
+    one is downloaded alone, into a temporary folder removed after the load) and no rank
+    parses ``.metadata``; the state comes back bitwise. An index of another checkpoint's
+    ``.metadata`` is refused, naming the file, wherever it lies."""
+    import tempfile
+
+    from dcpkit import safe_pickle
+    from dcpkit.errors import CheckpointError
+    from dcpkit.formats import dcp as dcp_format
+    from dcpkit.layout import METADATA_INDEX
+
+    model = _save_steps(root, tmp_path, [1, 2])
+    parses = []
+    real = safe_pickle.load_metadata
+
+    def counted(f, where):  # type: ignore[no-untyped-def]
+        parses.append(where)
+        return real(f, where)
+
+    monkeypatch.setattr(safe_pickle, "load_metadata", counted)
+    monkeypatch.setattr(dcp_format, "load_metadata", counted)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    for verify in (False, True):
+        fresh = _model(seed=1)
+        with _manager(root, fresh, tmp_path, verify_on_load=verify) as mgr:
+            assert mgr.load() == 2
+        assert parses == [], (verify, parses)
+        for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+            assert torch.equal(a, b), name
+        assert list(scratch.iterdir()) == []
+    store = open_store(root)
+    other = store.read_bytes(f"step-1/{METADATA_INDEX}")
+    assert other != store.read_bytes(f"step-2/{METADATA_INDEX}")
+    store.write_bytes(f"step-2/{METADATA_INDEX}", other)
+    for verify in (False, True):
+        mgr = _manager(root, _model(seed=1), tmp_path, verify_on_load=verify)
+        with mgr, pytest.raises(CheckpointError, match=r"\.metadata\.index is not a usable index"):
+            mgr.load()
+    assert list(scratch.iterdir()) == []
+
+
 def test_a_view_holds_metadata_and_its_index_whole_whatever_their_size(root, tmp_path, monkeypatch):
     """A remote checkpoint's view (behind verify, inspect, the conversions) holds large files
     as sparse stand-ins of their size, but never ``.metadata`` or its index: at thousands of

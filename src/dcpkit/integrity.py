@@ -63,9 +63,8 @@ def verify_checkpoint(
         report = VerifyReport(view.location, kind)
         if kind == DCP:
             manifest = _check_manifest(store, name, report, checksums, checksum_files)
-            try:  # local files only: a remote view holds large files as sparse stand-ins
-                local = store.local_dir(name) is not None
-                index = bound_index(view.path, manifest) if local else None
+            try:  # a remote view holds .metadata and its index whole (data files sparse)
+                index = bound_index(view.path, manifest)
             except UnsafeCheckpoint as e:
                 index = None
                 report.problems.append(Problem(METADATA_INDEX, str(e)))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import re
+import tempfile
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,10 +33,10 @@ from dcpkit.engine.states import (
     rng_source_rank,
 )
 from dcpkit.errors import CheckpointError, first_failure
-from dcpkit.formats.dcp_index import bound_index
-from dcpkit.formats.dcp_reader import DirectFileSystemReader
-from dcpkit.layout import HF_FILES, METADATA, MODEL, RNG, is_model_key
-from dcpkit.manifest import format_problem
+from dcpkit.formats.dcp_index import DcpIndex, bound_index
+from dcpkit.formats.dcp_reader import DirectFileSystemReader, local_regions
+from dcpkit.layout import HF_FILES, METADATA, METADATA_INDEX, MODEL, RNG, is_model_key
+from dcpkit.manifest import CHUNK, format_problem
 from dcpkit.safe_pickle import UnsafeCheckpoint, safe_load_planner
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ def restore(
     own_rank: bool = False,
     checksums: dict[str, str] | None = None,
     metadata: Any = None,
-    index: Any = None,
+    index: DcpIndex | None = None,
 ) -> list[str]:
     """Load checkpoint ``name`` of ``store`` into the live state; returns the pieces restored.
     ``checksums``: this rank's share of the files to verify as they are read (local files);
@@ -85,8 +87,8 @@ def restore(
     if unknown is not None:
         raise CheckpointError(f"{location}: {unknown}")
     try:
-        reader = dcp_reader(store, name, checksums, metadata, manifest, index)
-        metadata = getattr(reader, "catalog", reader.read_metadata)()
+        reader, index = dcp_reader(store, name, checksums, metadata, manifest, index)
+        metadata = index.catalog() if index is not None else reader.read_metadata()
     except FileNotFoundError:
         raise CheckpointError(f"{location} is not a checkpoint: it has no {METADATA}") from None
     except UnsafeCheckpoint as e:
@@ -137,9 +139,9 @@ def restore(
     elif want_rng:
         why = "a model-only save" if (manifest or {}).get("model_only") else "not written by dcpkit"
         logger.warning("checkpoint: %s holds no RNG state (%s); RNG starts fresh", location, why)
-    if hasattr(reader, "select"):
+    if index is not None:  # DCP plans from the entries of the chunks this rank's shards overlap
         try:
-            reader.select(template)
+            reader.adopt_metadata(index.metadata(local_regions(template)))
         except UnsafeCheckpoint as e:
             raise CheckpointError(str(e)) from None
     _load(template, reader, location, gather=not own_rank and dist.is_dist())
@@ -284,22 +286,52 @@ def dcp_reader(
     checksums: dict[str, str] | None = None,
     metadata: Any = None,
     manifest: Any = None,
-    index: Any = None,
-) -> Any:
-    """The reader of checkpoint ``name``: direct reads into the destination tensors when its
-    files are local (verifying ``checksums`` as they stream through; through the index of its
-    ``.metadata`` when ``manifest`` lists one, or ``index`` when the checks read it already),
-    else the store's own."""
+    index: DcpIndex | None = None,
+) -> tuple[Any, DcpIndex | None]:
+    """The reader of checkpoint ``name`` (direct reads into the destination tensors when its
+    files are local, verifying ``checksums`` as they stream through; else the store's own),
+    and the index of its ``.metadata`` to plan from when ``manifest`` lists one (``index``:
+    the one the checks read already; a remote one is downloaded alone). No index when
+    ``metadata`` (parsed by the checks) is given."""
     folder = store.local_dir(name)
+    if metadata is not None:
+        index = None
+    elif index is None and folder is not None:
+        index = bound_index(Path(folder), manifest)
+    elif index is None:
+        index = _remote_index(store, name, manifest)
     if folder is not None:
-        if metadata is not None:
-            index = None
-        elif index is None:
-            index = bound_index(Path(folder), manifest)
-        return DirectFileSystemReader(folder, checksums=checksums, metadata=metadata, index=index)
+        return DirectFileSystemReader(folder, checksums=checksums, metadata=metadata), index
     if checksums:
         raise ValueError("checksums are verified while loading local files only")
-    return store.dcp_reader(name)
+    return store.dcp_reader(name), index
+
+
+def _remote_index(store: Any, name: str, manifest: Any) -> DcpIndex | None:
+    """The index of remote checkpoint ``name``'s ``.metadata`` when its manifest lists one:
+    downloaded alone (at most the bytes the manifest gives it) into a temporary folder that
+    is removed with the index."""
+    listed = ((manifest or {}).get("files") or {}).get(METADATA_INDEX)
+    if not isinstance(listed, dict) or not isinstance(listed.get("size"), int):
+        return None
+    tmp, index = tempfile.TemporaryDirectory(prefix="dcpkit-index-"), None
+    try:
+        folder, left = Path(tmp.name), listed["size"]
+        path = f"{name}/{METADATA_INDEX}"
+        with store.open_read(path) as src, open(folder / METADATA_INDEX, "wb") as dst:
+            while left > 0 and (block := src.read(min(left, CHUNK))):
+                dst.write(block)
+                left -= len(block)
+        stat = store.stat(f"{name}/{METADATA}")
+        index = bound_index(folder, manifest, stat.size if stat is not None else None)
+    except FileNotFoundError:  # listed but missing: the manifest check reports it
+        index = None
+    finally:
+        if index is None:
+            tmp.cleanup()
+    if index is not None:
+        weakref.finalize(index, tmp.cleanup)
+    return index
 
 
 _RNG_KEY = re.compile(rf"^{RNG}\.rank_(\d+)(\.|$)")

@@ -370,10 +370,13 @@ class Box:
         self.offsets, self.sizes = offsets, sizes
 
 
-def bound_index(folder: Path, manifest: dict[str, Any] | None) -> DcpIndex | None:
-    """The index of checkpoint ``folder`` when its manifest lists it and binds it to the
-    ``.metadata`` beside it (size and checksum, as the index records them); None when there is
-    none to use (a checkpoint DCP or an older dcpkit wrote, or a remote one)."""
+def bound_index(
+    folder: Path, manifest: dict[str, Any] | None, metadata_size: int | None = None
+) -> DcpIndex | None:
+    """The index in ``folder`` when the checkpoint's manifest lists it and binds it to the
+    checkpoint's ``.metadata`` (size and checksum, as the index records them; the size is
+    ``metadata_size``, else that of the ``.metadata`` in ``folder``); None when there is none
+    to use (a checkpoint DCP or an older dcpkit wrote)."""
     files = (manifest or {}).get("files") or {}
     listed, md = files.get(METADATA_INDEX), files.get(METADATA)
     if not (isinstance(listed, dict) and isinstance(md, dict)):
@@ -382,14 +385,13 @@ def bound_index(folder: Path, manifest: dict[str, Any] | None) -> DcpIndex | Non
     if not path.is_file():
         return None  # the manifest check reports it missing
     index = DcpIndex(path)
-    try:
-        size = (folder / METADATA).stat().st_size
-    except OSError:
-        size = -1
+    size = metadata_size
+    with contextlib.suppress(OSError):
+        size = (folder / METADATA).stat().st_size if size is None else size
     if (index.metadata_bytes, index.metadata_xxh3) != (size, md.get(CHECKSUM_ALGORITHM)):
         raise index._bad(
             f"it was made from a {index.metadata_bytes}-byte .metadata ({index.metadata_xxh3}), "
             f"and the manifest's is {md.get('size')} bytes ({md.get(CHECKSUM_ALGORITHM)}), "
-            f"the file {size}"
+            f"the file {'missing' if size is None else size}"
         )
     return index

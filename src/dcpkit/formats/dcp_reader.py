@@ -34,7 +34,7 @@ from torch.futures import Future
 
 from dcpkit.dist import io_threads
 from dcpkit.formats import torchfile
-from dcpkit.formats.dcp_index import DcpIndex, Region
+from dcpkit.formats.dcp_index import Region
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.manifest import Problem
 from dcpkit.safe_pickle import safe_reader
@@ -49,32 +49,18 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         thread_count: int | None = None,
         checksums: dict[str, str] | None = None,
         metadata: Any = None,
-        index: DcpIndex | None = None,
     ) -> None:
         """``checksums``: file name -> expected xxh3-64 of the files this rank verifies while it
         loads (each hashed in one pass as its bytes stream through, the bytes the load does not
         need read only to be hashed); their problems, and any read failure, are then collected
         in ``problems`` instead of raised. ``metadata``: the checkpoint's, already parsed (see
-        ``adopt_metadata``). ``index``: the checkpoint's index of its ``.metadata``: ``catalog``
-        and ``select`` read it instead of the whole ``.metadata``."""
+        ``adopt_metadata``; a rank's share of it, from the index of ``.metadata``)."""
         super().__init__(path)
-        self.index = None if metadata is not None else index
         if metadata is not None:
             self.adopt_metadata(metadata)
         self.thread_count = thread_count or io_threads()
         self.checksums = dict(checksums or {})
         self.problems: list[Problem] = []
-
-    def catalog(self) -> Any:
-        """What the checkpoint holds, key by key (shapes, dtypes), before a load decides what it
-        reads: from the index, without chunks, when there is one; else the ``.metadata``."""
-        return self.index.catalog() if self.index is not None else self.read_metadata()
-
-    def select(self, template: dict[str, Any]) -> None:
-        """Before ``dcp.load(template)``: with an index, DCP plans from the entries of the chunks
-        that ``template``'s tensors (this rank's shards) overlap, read from the index alone."""
-        if self.index is not None and "_safe_metadata" not in self.__dict__:
-            self.adopt_metadata(self.index.metadata(local_regions(template)))
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
         items = []
