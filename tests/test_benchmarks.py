@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,11 +130,16 @@ def test_io_speed_benchmark_small(tmp_path):
         # CPU time of every thread, summed over the ranks, and the hash's alone.
         cpu = run["cpu"]
         assert cpu["load_warm_cpu"] > 0 and cpu["xxh3_only_cpu"] > 0, where
+        # The least verify-on-load can cost: the hash's CPU the cores' idle time cannot absorb.
+        capacity = (os.cpu_count() or 1) * s["load_warm_s"]
+        floor = max(0.0, cpu["xxh3_only_cpu"] - max(0.0, capacity - cpu["load_warm_cpu"]))
+        assert run["verify_floor"] == pytest.approx(floor / capacity), where
     sizes = {r["gb"]: r["checkpoint_bytes"] for r in runs if r["nproc"] == 1}
     assert sizes[0.3] > 1.3 * sizes[0.2]
     assert proc.stdout.count("DCP's own steps of a load") == 4
     assert proc.stdout.count("hashing every byte as it lands") == 4
     assert proc.stdout.count("CPU time, every thread of all ranks, warm: load ") == 4
+    assert proc.stdout.count("even with every idle cycle hashing") == 4
     png = out.with_suffix(".png")
     assert f"wrote {png}" in proc.stdout
     import matplotlib.image
