@@ -198,6 +198,40 @@ def test_a_view_holds_metadata_and_its_index_whole_whatever_their_size(root, tmp
             assert set(model.state_dict()) <= set(ckpt.metadata.state_dict_metadata)
 
 
+def test_checks_by_shares_leave_a_remote_metadata_where_it_is(root, tmp_path, monkeypatch):
+    """A verified load's checks by shares read the index of ``.metadata``: a remote view
+    fetches the index whole and leaves ``.metadata`` a stand-in of its size (its checksum is
+    streamed from the store by the rank whose share it is, so a damaged one is still found).
+    ``dcpkit verify``, without shares, fetches it to compare it with the index."""
+    from dcpkit.layout import METADATA
+
+    _save_steps(root, tmp_path, [1])
+    store = open_store(root)
+    remote = store.local_dir("step-1") is None
+    fetched: list[str] = []
+    if remote:
+        real = store.fs.get
+
+        def spy(rpath, lpath, *args, **kwargs):  # type: ignore[no-untyped-def]
+            fetched.append(str(rpath).rsplit("/", 1)[-1])
+            return real(rpath, lpath, *args, **kwargs)
+
+        monkeypatch.setattr(store.fs, "get", spy)
+    report = verify_checkpoint(store, "step-1", checksum_files=[METADATA], share=(0, 1))
+    assert report.ok and report.index is not None and report.metadata is None
+    assert METADATA not in fetched
+    full = verify_checkpoint(store, "step-1")
+    assert full.ok and full.metadata is not None
+    assert (METADATA in fetched) == remote
+    blob = bytearray(store.read_bytes(f"step-1/{METADATA}"))
+    blob[-3] ^= 0xFF
+    store.write_bytes(f"step-1/{METADATA}", bytes(blob))
+    report = verify_checkpoint(store, "step-1", checksum_files=[METADATA], share=(0, 1))
+    assert [str(p) for p in report.problems] == [
+        f"{METADATA}: checksum mismatch: the file's bytes changed after it was written"
+    ]
+
+
 def test_conversion_outputs_publish_through_the_store(root, tmp_path):
     _save_steps(root, tmp_path, [1])
     store = open_store(root)

@@ -58,12 +58,15 @@ def verify_checkpoint(
     from the index, and nothing parses ``.metadata``; without ``share`` the index is compared
     with ``.metadata``, entry by entry.
     """
-    with store.view(name, data=False) as view:
+    # A load's checks by shares read the index of a remote .metadata, never .metadata itself:
+    # its view leaves .metadata out (2.8 GiB at 405B and 8192 ranks), its checksum streamed.
+    lean = share is not None and store.local_dir(name) is None and _lists_index(store, name)
+    with store.view(name, data=False, metadata=not lean) as view:
         kind = detect_kind(view.path)
         report = VerifyReport(view.location, kind)
         if kind == DCP:
             manifest = _check_manifest(store, name, report, checksums, checksum_files)
-            try:  # a remote view holds .metadata and its index whole (data files sparse)
+            try:  # a remote view holds the index whole; its stand-ins have their files' sizes
                 index = bound_index(view.path, manifest)
             except UnsafeCheckpoint as e:
                 index = None
@@ -71,12 +74,11 @@ def verify_checkpoint(
             if index is not None and share is not None:
                 report.problems += index_problems(view.path, index, *share)
                 report.index = index
+            elif lean:  # no index to check by after all: .metadata is needed
+                with store.view(name, data=False) as full:
+                    _structure(full.path, report, index)
             else:
-                problems, report.metadata = dcp_problems(view.path)
-                report.problems += problems
-                damaged = any(p.file == METADATA for p in report.problems)
-                if index is not None and report.metadata is not None and not damaged:
-                    report.problems += index_mismatches(report.metadata, index)
+                _structure(view.path, report, index)
         elif kind == HF:
             folder = name if view.path.is_dir() else ""
             _check_manifest(store, folder, report, checksums, checksum_files)
@@ -91,6 +93,21 @@ def verify_checkpoint(
         else:
             report.notes.append(reason)
     return report
+
+
+def _structure(folder: Any, report: VerifyReport, index: Any) -> None:
+    """The structure of the DCP checkpoint in ``folder`` from its ``.metadata`` (kept in
+    ``report`` for a load to read by), and its index compared with it entry by entry."""
+    problems, report.metadata = dcp_problems(folder)
+    report.problems += problems
+    damaged = any(p.file == METADATA for p in report.problems)
+    if index is not None and report.metadata is not None and not damaged:
+        report.problems += index_mismatches(report.metadata, index)
+
+
+def _lists_index(store: Any, name: str) -> bool:
+    manifest, _ = store.read_manifest(name)
+    return isinstance(((manifest or {}).get("files") or {}).get(METADATA_INDEX), dict)
 
 
 def _check_manifest(

@@ -256,8 +256,12 @@ class CheckpointStore(ABC):
         """A DCP ``StorageReader`` of checkpoint ``name``."""
 
     @abstractmethod
-    def view(self, name: str, data: bool = True) -> contextlib.AbstractContextManager[Any]:
-        """``name`` as a ``CheckpointView``; FileNotFoundError naming it when it is missing."""
+    def view(
+        self, name: str, data: bool = True, metadata: bool = True
+    ) -> contextlib.AbstractContextManager[Any]:
+        """``name`` as a ``CheckpointView``; FileNotFoundError naming it when it is missing.
+        ``metadata=False``: a remote ``.metadata`` may stay a stand-in of its size (for a check
+        that reads its index instead)."""
 
     @abstractmethod
     def is_published(self, name: str) -> bool:

@@ -182,7 +182,7 @@ class FsspecStore(CheckpointStore):
     # -- reading checkpoints in place
 
     @contextlib.contextmanager
-    def view(self, name: str, data: bool = True) -> Iterator[CheckpointView]:
+    def view(self, name: str, data: bool = True, metadata: bool = True) -> Iterator[CheckpointView]:
         self.check_reachable()
         st = self.stat(name)
         if st is None:
@@ -194,16 +194,16 @@ class FsspecStore(CheckpointStore):
             if not st.is_dir:
                 self.fs.get(self._p(name), str(local))  # a single file: downloaded whole
             else:
-                self._skeleton(name, local)
+                self._skeleton(name, local, metadata)
                 opener = self._range_opener(name) if data else _no_data(self.location(name))
             yield CheckpointView(local, self.location(name), self, name, opener)
         finally:
             tmp.cleanup()
 
-    def _skeleton(self, name: str, dest: Path) -> None:
-        """``.metadata``, its index and small files whole; ``.distcp`` and other large files as
-        sparse files of their true size; ``.safetensors`` files as their header in a sparse
-        file of their true size."""
+    def _skeleton(self, name: str, dest: Path, metadata: bool = True) -> None:
+        """``.metadata`` (unless not ``metadata``), its index and small files whole; ``.distcp``
+        and other large files as sparse files of their true size; ``.safetensors`` files as
+        their header in a sparse file of their true size."""
         dest.mkdir()
         for entry in self.fs.ls(self._p(name), detail=True, refresh=True):
             if entry.get("type") != "file":
@@ -211,7 +211,8 @@ class FsspecStore(CheckpointStore):
             file = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             size, local = int(entry["size"]), dest / file
             large = size > _SMALL_FILE and not file.endswith(".safetensors")
-            if file not in (METADATA, METADATA_INDEX) and (file.endswith(".distcp") or large):
+            kept = file == METADATA_INDEX or (file == METADATA and metadata)
+            if not kept and (file == METADATA or file.endswith(".distcp") or large):
                 with open(local, "wb") as f:
                     f.truncate(size)
             elif file.endswith(".safetensors"):

@@ -176,7 +176,7 @@ class LocalStore(CheckpointStore):
         return self._p(name)
 
     @contextlib.contextmanager
-    def view(self, name: str, data: bool = True) -> Iterator[CheckpointView]:
+    def view(self, name: str, data: bool = True, metadata: bool = True) -> Iterator[CheckpointView]:
         path = self._p(name)
         if not path.exists():
             raise FileNotFoundError(f"{path} does not exist")
