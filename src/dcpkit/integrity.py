@@ -34,7 +34,7 @@ class VerifyReport:
     files_checked: int = 0
     checksummed: bool = False
     metadata: Any = field(default=None, repr=False)  # DCP's, as parsed for the checks
-    index: Any = field(default=None, repr=False)  # the index of .metadata the checks read
+    index: Any = field(default=None, repr=False)  # the local index of .metadata they read
 
     @property
     def ok(self) -> bool:
@@ -73,7 +73,7 @@ def verify_checkpoint(
                 report.problems.append(Problem(METADATA_INDEX, str(e)))
             if index is not None and share is not None:
                 report.problems += index_problems(view.path, index, *share)
-                report.index = index
+                report.index = None if lean else index  # a remote view's is gone with the view
             elif lean:  # no index to check by after all: .metadata is needed
                 with store.view(name, data=False) as full:
                     _structure(full.path, report, index)
