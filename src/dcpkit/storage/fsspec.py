@@ -7,10 +7,11 @@ Discovery sees only folders with the marker; folders without it are abandoned up
 by the next run. Deletion removes the marker first, so a half-deleted checkpoint is never taken
 for a complete one.
 
-The tools read a remote checkpoint through a metadata-only local copy (small files whole, data
-files as sparse files of their true size, safetensors files as their header), whose data files
-are read from the remote originals by range requests as tensors are asked for: nothing is
-downloaded whole.
+The tools read a remote checkpoint through a metadata-only local copy (``.metadata``, its index
+and small files whole, data files as sparse files of their true size, safetensors files as
+their header), whose data files are read from the remote originals by range requests as
+tensors are asked for: no data file is downloaded whole. A load plans from the index of
+``.metadata`` alone (``engine/restore.py`` downloads it).
 
 Credentials and endpoint come from the standard environment (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ...) or from ``[checkpoint] storage_options``,
