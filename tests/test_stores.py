@@ -217,7 +217,11 @@ def test_checks_by_shares_leave_a_remote_metadata_where_it_is(root, tmp_path, mo
             return real(rpath, lpath, *args, **kwargs)
 
         monkeypatch.setattr(store.fs, "get", spy)
+    manifests = []
+    read_manifest = store.read_manifest
+    monkeypatch.setattr(store, "read_manifest", lambda n: manifests.append(n) or read_manifest(n))
     report = verify_checkpoint(store, "step-1", checksum_files=[METADATA], share=(0, 1))
+    assert manifests == ["step-1"]  # read once, also to choose the view
     assert report.ok and report.metadata is None  # checked by the index
     assert (report.index is not None) == (not remote)  # a remote one's went with its view
     assert METADATA not in fetched

@@ -60,12 +60,15 @@ def verify_checkpoint(
     """
     # A load's checks by shares read the index of a remote .metadata, never .metadata itself:
     # its view leaves .metadata out (2.8 GiB at 405B and 8192 ranks), its checksum streamed.
-    lean = share is not None and store.local_dir(name) is None and _lists_index(store, name)
+    remote_share = share is not None and store.local_dir(name) is None
+    read = store.read_manifest(name) if remote_share else None  # read once, checked below
+    listed = ((read[0] or {}).get("files") or {}) if read is not None else {}
+    lean = isinstance(listed.get(METADATA_INDEX), dict)
     with store.view(name, data=False, metadata=not lean) as view:
         kind = detect_kind(view.path)
         report = VerifyReport(view.location, kind)
         if kind == DCP:
-            manifest = _check_manifest(store, name, report, checksums, checksum_files)
+            manifest = _check_manifest(store, name, report, checksums, checksum_files, read)
             try:  # a remote view holds the index whole; its stand-ins have their files' sizes
                 index = bound_index(view.path, manifest)
             except UnsafeCheckpoint as e:
@@ -105,15 +108,16 @@ def _structure(folder: Any, report: VerifyReport, index: Any) -> None:
         report.problems += index_mismatches(report.metadata, index)
 
 
-def _lists_index(store: Any, name: str) -> bool:
-    manifest, _ = store.read_manifest(name)
-    return isinstance(((manifest or {}).get("files") or {}).get(METADATA_INDEX), dict)
-
-
 def _check_manifest(
-    store: Any, folder: str, report: VerifyReport, checksums: bool, names: list[str] | None
+    store: Any,
+    folder: str,
+    report: VerifyReport,
+    checksums: bool,
+    names: list[str] | None,
+    read: tuple[dict[str, Any] | None, list[Problem]] | None = None,
 ) -> dict[str, Any] | None:
-    manifest, problems = store.read_manifest(folder)
+    """The manifest's checks (``read``: ``store.read_manifest(folder)``, when already done)."""
+    manifest, problems = read if read is not None else store.read_manifest(folder)
     report.problems += problems
     if manifest is None:
         if not problems:
