@@ -386,8 +386,9 @@ def bound_index(
         return None  # the manifest check reports it missing
     index = DcpIndex(path)
     size = metadata_size
-    with contextlib.suppress(OSError):
-        size = (folder / METADATA).stat().st_size if size is None else size
+    if size is None:
+        with contextlib.suppress(OSError):
+            size = (folder / METADATA).stat().st_size
     if (index.metadata_bytes, index.metadata_xxh3) != (size, md.get(CHECKSUM_ALGORITHM)):
         raise index._bad(
             f"it was made from a {index.metadata_bytes}-byte .metadata ({index.metadata_xxh3}), "
