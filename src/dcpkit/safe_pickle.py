@@ -168,7 +168,8 @@ def load_value(data: bytes | BinaryIO, where: str) -> Any:
     """A non-tensor value DCP stored with ``torch.save``: plain Python values and tensors only."""
     stream = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
     try:
-        return torch.load(stream, weights_only=True, map_location="cpu")
+        with torch.serialization.safe_globals(value_globals()):
+            return torch.load(stream, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpoint(
             f"{where} is not plain data ({_refused_global(e)}); dcpkit loads only tensors and "
@@ -178,11 +179,29 @@ def load_value(data: bytes | BinaryIO, where: str) -> Any:
         raise UnsafeCheckpoint(f"{where} cannot be read ({type(e).__name__}: {e})") from None
 
 
+@functools.cache
+def value_globals() -> list[Any]:
+    """What a state's plain values may need beyond torch's weights-only set: NumPy arrays and
+    scalars of numbers, bools and strings (object arrays are refused at save)."""
+    import numpy as np
+
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy < 2
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    dtypes = {type(np.dtype(t)) for t in set(np.sctypeDict.values()) if t is not np.object_}
+    allowed = [np.ndarray, np.dtype, multiarray._reconstruct, multiarray.scalar]
+    return allowed + sorted(dtypes, key=lambda c: c.__name__)
+
+
 def _refused_global(e: Exception) -> str:
     """What torch's weights-only unpickler refused, from its long message."""
     found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", str(e))
     if found:
         return f"it asks to load {found.group(1)}"
+    found = re.search(r"but got <class '([\w.]+)'>", str(e))
+    if found:
+        return f"it asks to build {found.group(1)}"
     lines = [line for line in str(e).splitlines() if line.strip()]
     return lines[-1].strip() if lines else type(e).__name__
 

@@ -32,10 +32,19 @@ from dcpkit.engine.states import (
     restore_rng,
     rng_source_rank,
 )
+from dcpkit.engine.values import fit_to_saved
 from dcpkit.errors import CheckpointError, first_failure
 from dcpkit.formats.dcp_index import DcpIndex, bound_index
 from dcpkit.formats.dcp_reader import DirectFileSystemReader, local_regions
-from dcpkit.layout import HF_FILES, METADATA, METADATA_INDEX, MODEL, RNG, is_model_key
+from dcpkit.layout import (
+    HF_FILES,
+    METADATA,
+    METADATA_INDEX,
+    MODEL,
+    OPTIMIZER,
+    RNG,
+    is_model_key,
+)
 from dcpkit.manifest import CHUNK, format_problem
 from dcpkit.safe_pickle import UnsafeCheckpoint, safe_load_planner
 
@@ -131,6 +140,15 @@ def restore(
             template[group], per_rank[group] = _per_rank_template(obj, group, saved, location)
         else:
             template[group] = obj.state_dict()
+        if group != OPTIMIZER:  # tensors of the saved shapes (the optimizer's follow the model)
+            files = (manifest or {}).get("files") or {}
+            limit = sum(e.get("size", 0) for e in files.values() if isinstance(e, dict)) or None
+            try:
+                template[group] = fit_to_saved(
+                    template[group], group, metadata.state_dict_metadata, limit
+                )
+            except CheckpointError as e:
+                raise CheckpointError(f"{location}: {e}") from None
     rng_plan = None
     if want_rng and rng_saved:
         rng_plan = (dist.rank(), 0) if own_rank else _plan_rng(saved, location)

@@ -16,7 +16,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
-import xxhash
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -25,7 +24,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 try:  # torch's own steps of get_model_state_dict / get_optimizer_state_dict, to reuse a set-up
     from torch.distributed.checkpoint.state_dict import (
@@ -39,6 +37,7 @@ except ImportError:  # a torch without them: every call sets up anew, through th
     _verify_options = None
 
 from dcpkit import dist
+from dcpkit.engine.values import check_storable, fingerprint
 from dcpkit.layout import DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, RNG
 from dcpkit.safe_pickle import load_legacy_rng
 
@@ -207,37 +206,13 @@ def collect_states(
     return out
 
 
-def fingerprint(value: Any) -> str:
-    """A digest of a (nested) state dict's content: tensors by dtype, shape and bytes."""
-    h = xxhash.xxh3_64()
-
-    def feed(v: Any) -> None:
-        if isinstance(v, DTensor):
-            h.update(b"dtensor")  # sharded on purpose: each rank holds its own shard
-        elif torch.is_tensor(v):
-            t = v.detach().cpu().contiguous()
-            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif isinstance(v, dict):
-            for k in sorted(v, key=repr):
-                h.update(repr(k).encode())
-                feed(v[k])
-        elif isinstance(v, list | tuple):
-            h.update(f"[{len(v)}".encode())
-            for x in v:
-                feed(x)
-        else:
-            h.update(repr(v).encode())
-
-    feed(value)
-    return h.hexdigest()
-
-
 def check_same_on_every_rank(states: dict[str, Stateful], state: dict[str, Any]) -> None:
     """A state every rank saves under one key is kept once: it must be the same on every rank,
-    or the other ranks' values would be lost. Raises naming the state and how to declare it."""
+    or the other ranks' values would be lost. Raises naming the state and how to declare it;
+    before that, naming the value, when a state holds one that could not be loaded back."""
     from dcpkit.errors import CheckpointError
 
+    check_storable({name: value for name, value in state.items() if name in states})
     names = [n for n, o in states.items() if n != OPTIMIZER and not isinstance(o, PerRank)]
     differing = differing_states(state, names)
     if differing:

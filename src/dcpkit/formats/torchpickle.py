@@ -75,6 +75,18 @@ def _rebuild_tensor_ref(storage, storage_offset, size, stride, *_rest):  # type:
     return TensorRef(record, dtype, int(storage_offset), tuple(size), tuple(stride))
 
 
+def _rebuild_tensor_v3_ref(storage, storage_offset, size, stride, _grad, _hooks, dtype, *_rest):  # type: ignore[no-untyped-def]
+    """torch.save's spelling of a tensor whose dtype has no typed storage (uint16-64, float8):
+    an untyped storage of bytes, and the dtype given apart."""
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedContent(f"a tensor of unknown dtype {dtype!r}")
+    record, _ = storage
+    return TensorRef(record, dtype, int(storage_offset), tuple(size), tuple(stride))
+
+
+_DTYPES = {n: v for n in dir(torch) if isinstance(v := getattr(torch, n, None), torch.dtype)}
+
+
 class RefUnpickler(pickle.Unpickler):
     """``data.pkl`` of an archive whose records are named under ``prefix``."""
 
@@ -86,10 +98,14 @@ class RefUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
             return _rebuild_tensor_ref
-        if module == "torch" and name.endswith("Storage"):
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_tensor_v3_ref
+        if module == "torch" and name.endswith("Storage") and hasattr(torch, name):
             return getattr(torch, name)
-        if module == "torch" and name in ("float32", "bfloat16", "float16", "int64", "int32"):
-            return getattr(torch, name)
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return torch.UntypedStorage
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
         if (module, name) in _SAFE_GLOBALS:
             return _SAFE_GLOBALS[(module, name)]
         if self.trust_pickle:  # the user wrote the file and says so: its code may run
