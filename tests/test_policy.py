@@ -33,3 +33,13 @@ def test_choose_step():
 def test_fallback_goes_to_older_steps_newest_first():
     assert fallback_steps([1, 2, 3, 4], failed=3) == [2, 1]
     assert fallback_steps([3], failed=3) == []
+
+
+def test_a_save_replaces_only_steps_after_the_one_resumed_from():
+    from dcpkit.engine.policy import replacing_problem
+
+    assert replacing_problem(4, [2, 6], None) is None  # not published: nothing replaced
+    assert replacing_problem(6, [2, 6], resumed_from=2) is None  # load_step 2: 6 is abandoned
+    fresh = replacing_problem(6, [2, 6], None)
+    assert "step-6 is already published" in fresh and "started fresh" in fresh
+    assert "resumed from step 6" in replacing_problem(6, [2, 6], resumed_from=6)

@@ -67,10 +67,52 @@ def plan_load(config: Any, store: Any) -> LoadPlan:
             reason += " (initial_load_path is ignored: the checkpoint folder is not empty)"
         name = step_name(choice.step)
         model_only = is_seed_step(choice.step) or config.load_model_only
+        if not model_only and _holds_model_only(store, name):
+            return LoadPlan.failed(_finished_run_message(store, choice.step, config))
         return LoadPlan(store, name, choice.step, model_only, reason, own=True)
     if config.initial_load_path:
         return _plan_initial_load(config)
     return LoadPlan(None, None, None, False, f"{choice.reason}: starting fresh")
+
+
+def _holds_model_only(store: Any, name: str) -> bool:
+    """Whether published step ``name`` is a model-only save (a finished run's last save, in
+    DCP or as a Hugging Face folder): loading it restores no step, optimizer or data."""
+    try:
+        manifest, _ = store.read_manifest(name)
+    except Exception:  # unreadable: the verification that follows names the problem
+        return False
+    if manifest is not None:
+        return bool(manifest.get("model_only"))
+    names = set(store.list_names(name))
+    return bool(names & HF_FILES) and METADATA not in names
+
+
+def _finished_run_message(store: Any, step: int, config: Any) -> str:
+    """Why a model-only step is not resumed, and the two ways on, naming the newest full
+    checkpoint when the folder has one."""
+    full = next(
+        (s for s in sorted(store.published_steps(), reverse=True)
+         if s < step and not is_seed_step(s) and not _holds_model_only(store, step_name(s))),
+        None,
+    )  # fmt: skip
+    which = f"load_step = {step}" if config.load_step != -1 else "the latest published step"
+    in_hf = METADATA not in store.list_names(step_name(step))
+    hf = " and initial_load_in_hf = true" if in_hf else ""
+    extend = (
+        f"to extend the run, set load_step = {full} (its newest full checkpoint)"
+        if full is not None
+        else "this folder holds no full checkpoint to extend the run from"
+    )
+    return (
+        f"{store.location(step_name(step))} ({which}) is a model-only save: the last save of a "
+        "finished run (last_save_model_only), which holds no step, optimizer, data position or "
+        "RNG. Resuming from it would start training again at step 1 over this run's own "
+        "checkpoints, so nothing is loaded and nothing written. The run is finished; to train "
+        f"on from its weights with everything else fresh, set [checkpoint] initial_load_path = "
+        f"{store.location(step_name(step))!r}{hf} with an empty checkpoint folder; "
+        f"{extend}"
+    )
 
 
 def _plan_initial_load(config: Any) -> LoadPlan:

@@ -28,7 +28,7 @@ from dcpkit.engine.policy import config_problem, should_save
 from dcpkit.engine.preempt import Preemption
 from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.restore import HFCodec, restore
-from dcpkit.engine.save import Saver, collect, mesh_info
+from dcpkit.engine.save import Saver, check_replacement, collect, mesh_info
 from dcpkit.engine.states import (
     ModelState,
     Stateful,
@@ -77,6 +77,7 @@ class CheckpointManager:
         self.rank, self.world_size = dist.rank(), dist.world_size()
         self.last_saved_step: int | None = None
         self.loaded_step: int | None = None
+        self._resumed_from: int | None = None  # a full load of this folder's step: see save()
         writes = config.enable and not config.load_only
         if config.enable:
             load_plan.check_reachable(self.store)
@@ -124,7 +125,7 @@ class CheckpointManager:
                     f"checkpoint: loaded step {step} from the memory tier ({', '.join(loaded)}) "
                     f"in {time.perf_counter() - start:.2f}s"
                 )
-                self.loaded_step = step
+                self.loaded_step = self._resumed_from = step
                 return step
         if plan.name is None:
             logger.info("checkpoint: %s", plan.reason)
@@ -136,6 +137,7 @@ class CheckpointManager:
             f"checkpoint: loaded {plan.location} ({plan.reason}; {pieces}) in {seconds:.2f}s"
         )
         self.loaded_step = plan.step
+        self._resumed_from = plan.step if plan.own and not plan.model_only else None
         return plan.step
 
     def load_from(self, path: str | Path, model_only: bool = False) -> list[str]:
@@ -208,21 +210,19 @@ class CheckpointManager:
         if not self._leased:  # every rank: rank 0 holds the lease, the others know it is held
             self._lease, self._leased = take_lease(self.store, self.config.lease_timeout_s), True
         check_lease(self._lease)
+        check_replacement(self.store, step, self._resumed_from)
         model_only = last_step and self.config.last_save_model_only
         state = self.collect(model_only=model_only)
-        if not model_only:
+        if not model_only:  # every value loadable, and the same on every rank unless per-rank
             check_same_on_every_rank(self.states, state)
         info = self._step_info(step, model_only)
         start = time.perf_counter()
         if self._saver.async_ckpt is not None and not (last_step or force):
             self._saver.save_async(state, info)
             self.last_saved_step = step
-            logger.info(
-                "checkpoint: step %d staging (%s), written in the background; %.3fs in save()",
-                step,
-                self.config.async_mode,
-                time.perf_counter() - start,
-            )
+            seconds, mode = time.perf_counter() - start, self.config.async_mode
+            logger.info(f"checkpoint: step {step} staging ({mode}), written in the background; "
+                        f"{seconds:.3f}s in save()")  # fmt: skip
             return True
         hf = self.hf_model if model_only and self.config.last_save_in_hf else None
         self._saver.save_sync(state, info, hf)

@@ -92,3 +92,19 @@ def config_problem(config: Any, state_names: list[str], has_hf_model: bool) -> s
             "pass hf_model=HFModel(family, flavor_args) to CheckpointManager"
         )
     return None
+
+
+def replacing_problem(step: int, published: list[int], resumed_from: int | None) -> str | None:
+    """Whether saving ``step`` may replace a published step of that number: only the steps after
+    the one this run resumed from (the future the resume abandoned, as in TorchTitan). A run
+    that started fresh, or from a model-only load, would overwrite another run's checkpoint:
+    the reason it may not, or None."""
+    if step not in published or (resumed_from is not None and step > resumed_from):
+        return None
+    how = "started fresh" if resumed_from is None else f"resumed from step {resumed_from}"
+    return (
+        f"{step_name(step)} is already published in this checkpoint folder by an earlier run, "
+        f"and this run {how} (or loaded the model only): saving would replace that run's "
+        "checkpoint. Use another checkpoint folder (with [checkpoint] initial_load_path to start "
+        "from a checkpoint of this one), or remove the step yourself if it is unwanted"
+    )

@@ -16,10 +16,11 @@ from torch.distributed.tensor import DTensor
 from dcpkit import dist
 from dcpkit.engine import planning
 from dcpkit.engine.async_save import AsyncCheckpointer
-from dcpkit.engine.policy import steps_to_delete
+from dcpkit.engine.policy import replacing_problem, steps_to_delete
 from dcpkit.engine.publish import Published, StepInfo, delete_steps, write_and_publish
 from dcpkit.engine.restore import HFCodec
 from dcpkit.engine.states import ModelState, Stateful, capture_rng, rank_key
+from dcpkit.errors import CheckpointError
 from dcpkit.layout import DTYPES, MODEL, RNG, staging_name, step_name
 from dcpkit.manifest import build_manifest
 
@@ -96,6 +97,25 @@ def write_hf_step(info: StepInfo, state: dict[str, Any], hf: HFCodec) -> Publish
         doomed = steps_to_delete(store.published_steps(), info.keep_latest_k)
     dist.barrier()
     return Published(0.0, doomed)
+
+
+def check_replacement(store: Any, step: int, resumed_from: int | None) -> None:
+    """Every rank: refuse to replace a published step that is not this run's to replace, and
+    log each replacement that is (rank 0 lists the folder and decides)."""
+    decision = None
+    if dist.rank() == 0 and step in (published := store.published_steps()):
+        decision = replacing_problem(step, published, resumed_from) or ""
+        if not decision:
+            logger.warning(
+                "checkpoint: replacing the published %s in %s (this run resumed from step %s; "
+                "the steps after it are replaced as it reaches them)",
+                step_name(step),
+                store.root,
+                resumed_from,
+            )
+    decision = dist.broadcast_object(decision)
+    if decision:
+        raise CheckpointError(f"{store.location(step_name(step))}: {decision}")
 
 
 class Saver:
