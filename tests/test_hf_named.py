@@ -24,7 +24,7 @@ def test_transformers_model_under_fsdp_exports_with_its_names(kind, tmp_path):
     config = str(tmp_path / "config.json")
     proc = cli("to-hf", str(ckpt), str(out), "--model", "hf", "--config", config, "--verify")
     assert proc.returncode == 0, proc.stderr
-    assert "verified: transformers logits match" in proc.stdout
+    assert "verified: transformers logits of the export vs the source checkpoint" in proc.stdout
     expected = load_file(tmp_path / "expected.safetensors")
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():

@@ -89,7 +89,7 @@ def test_pp_checkpoint_holds_every_parameter_once_under_its_plain_name(pp_run, t
         "--verify",
     )
     assert proc.returncode == 0, proc.stderr
-    assert "transformers logits match" in proc.stdout
+    assert "transformers logits of the export vs the source checkpoint" in proc.stdout
 
 
 def test_pp_resumes_bitwise_at_the_same_layout(pp_run, tmp_path):

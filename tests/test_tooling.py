@@ -168,11 +168,23 @@ def test_list_shows_status(ckpt, tmp_path):
     (folder / "step-20" / "__1_0.distcp").write_bytes(b"short")
     (folder / ".tmp-step-30").mkdir()
     proc = cli("list", str(folder))
-    assert proc.returncode == 0
+    assert proc.returncode == 1  # a corrupt step fails the command, not only its line
+    assert "1 checkpoint(s) failed verification: step-20" in proc.stderr
     lines = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
-    assert "published, 2 rank(s)" in lines["step-10"]
+    assert "published, 2 rank(s); sizes and structure verified" in lines["step-10"]
     assert "CORRUPT" in lines["step-20"] and "__1_0.distcp" in lines["step-20"]
     assert "incomplete" in lines[".tmp-step-30"]
+    shutil.rmtree(folder / "step-20")
+    proc = cli("list", str(folder), "--checksums")
+    assert proc.returncode == 0
+    assert "sizes, structure and checksums verified" in proc.stdout
+    data = folder / "step-10" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1  # the same size: only the checksum can tell
+    data.write_bytes(bytes(raw))
+    assert cli("list", str(folder)).returncode == 0
+    proc = cli("list", str(folder), "--checksums")
+    assert proc.returncode == 1 and "CORRUPT" in proc.stdout
 
 
 def test_manager_refuses_corrupt_latest_and_can_fall_back(tmp_path, caplog):

@@ -22,13 +22,17 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_list(args: argparse.Namespace, rest: list[str]) -> int:
-    from dcpkit.tools.listing import list_checkpoints, listing_lines
+    from dcpkit.tools.listing import corrupt, list_checkpoints, listing_lines
 
     listing = list_checkpoints(
         args.folder, checksums=args.checksums, local_folder=args.local_folder
     )
     print("\n".join(listing_lines(listing)))
-    return 0
+    bad = corrupt(listing)
+    if bad:
+        print(f"error: {len(bad)} checkpoint(s) failed verification: {', '.join(bad)}; run "
+              "`dcpkit verify` on one for every problem", file=sys.stderr)  # fmt: skip
+    return 1 if bad else 0
 
 
 def _cmd_plot(args: argparse.Namespace, rest: list[str]) -> int:

@@ -33,6 +33,7 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     files_checked: int = 0
     checksummed: bool = False
+    summary: str | None = None  # what was checked, for a file with no manifest (torch.save)
     metadata: Any = field(default=None, repr=False)  # DCP's, as parsed for the checks
     index: Any = field(default=None, repr=False)  # the local index of .metadata they read
 
@@ -87,8 +88,19 @@ def verify_checkpoint(
             _check_manifest(store, folder, report, checksums, checksum_files)
             report.problems += hf_problems(view.path)
         else:
-            report.problems += torch_file_problems(view.path)
-            report.files_checked, report.checksummed = 1, True
+            problems, checked, unchecked = torch_file_problems(view.path)
+            report.problems += problems
+            report.summary = f"the CRC-32 of {checked} record(s) match"
+            if unchecked and not checked:
+                report.summary = (
+                    f"none of its {unchecked} record(s) carries a CRC-32 (written without "
+                    "them), so nothing could be checksummed"
+                )
+            elif unchecked:
+                report.summary += (
+                    f"; {unchecked} record(s) carry no CRC-32 (written without one), so their "
+                    "bytes could not be checked"
+                )
     reason = store.uncommitted_reason(name)
     if reason is not None:
         if require_commit:

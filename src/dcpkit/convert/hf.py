@@ -41,6 +41,11 @@ class ConversionResult:
     flavor: str = ""
     max_tensor_diff: float | None = None
     max_logits_diff: float | None = None
+    """The export's logits (transformers) against the source checkpoint's model's."""
+    logits_tolerance: float | None = None
+    logits_tolerance_why: str = ""
+    max_implementation_diff: float | None = None
+    """A rounded export: transformers against dcpkit's model, both on the exported weights."""
     notes: list[str] = field(default_factory=list)
 
     def lines(self, verb: str) -> list[str]:
@@ -57,10 +62,16 @@ class ConversionResult:
                 "  verified: every tensor read back matches; max abs diff vs source "
                 f"{self.max_tensor_diff:.3g}"
             )
+        if self.max_implementation_diff is not None:
+            out.append(
+                "  verified: transformers runs the exported weights as dcpkit's model does, max "
+                f"abs diff of the logits {self.max_implementation_diff:.3g} (tolerance 1e-4)"
+            )
         if self.max_logits_diff is not None:
             out.append(
-                "  verified: transformers logits match the source model's, max abs diff "
-                f"{self.max_logits_diff:.3g}"
+                "  verified: transformers logits of the export vs the source checkpoint's model, "
+                f"max abs diff {self.max_logits_diff:.3g}, within the tolerance "
+                f"{self.logits_tolerance:.3g} ({self.logits_tolerance_why})"
             )
         return out + [f"  note: {note}" for note in self.notes]
 
@@ -118,7 +129,8 @@ def to_hf(
         pending.write_manifest(manifest)
         if verify:
             result.max_tensor_diff = verify_hf_tensors(ToHF(src, plan), tmp, out_dtype, budget)
-            result.max_logits_diff = verify_logits(adapter, args, tmp, result, src)
+            exported = out_dtype.values()
+            result.max_logits_diff = verify_logits(adapter, args, tmp, result, src, exported)
         pending.publish()
     result.seconds = time.perf_counter() - start
     return result

@@ -40,14 +40,55 @@ def verify_hf_tensors(
     return worst
 
 
+IMPLEMENTATION_TOLERANCE = 1e-4  # two implementations of one model on the same weights, fp32
+
+
+def logits_tolerance(dtypes: set[torch.dtype], scale: float) -> tuple[float, str]:
+    """How far an export's logits may be from its source's: the implementations' own float32
+    disagreement, or, when weights were rounded to a narrower dtype, 8 times that dtype's
+    epsilon times the largest logit (rounding each weight by up to half an epsilon moves every
+    logit by a few epsilons of its size). Returns the tolerance and how it was chosen."""
+    narrow = [d for d in dtypes if d.is_floating_point and d.itemsize < 4]
+    if not narrow:
+        return IMPLEMENTATION_TOLERANCE, "float32 weights: the implementations' tolerance"
+    eps = max(torch.finfo(d).eps for d in narrow)
+    name = str(max(narrow, key=lambda d: torch.finfo(d).eps)).removeprefix("torch.")
+    tol = max(IMPLEMENTATION_TOLERANCE, 8 * eps * max(1.0, scale))
+    return tol, f"{name} weights: 8 x its epsilon ({eps:.3g}) x the largest logit ({scale:.3g})"
+
+
+def _tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def _against_source(
+    result: Any, exported: torch.Tensor, source: torch.Tensor, dtypes: Any
+) -> float:
+    """The export's logits against the source model's: recorded in ``result`` with the
+    tolerance the export's dtype implies; raises past it."""
+    diff = max_abs_diff(exported, source)
+    tol, why = logits_tolerance(set(dtypes), float(source.abs().max()))
+    result.logits_tolerance, result.logits_tolerance_why = tol, why
+    if diff > tol:
+        raise ConversionError(
+            f"verification failed: the export's logits differ from the source checkpoint's by "
+            f"{diff:.3g}, more than the {tol:.3g} its dtype allows ({why})"
+        )
+    return diff
+
+
 def verify_logits(
-    adapter: ModelAdapter, args: Any, folder: Path, result: Any, source: Any = None
+    adapter: ModelAdapter, args: Any, folder: Path, result: Any, source: Any, dtypes: Any
 ) -> float | None:
-    """Load the folder with transformers and compare float32 logits with dcpkit's model."""
+    """Load the exported folder with transformers and compare its float32 logits with dcpkit's
+    model given the source checkpoint's own tensors (the difference the export's dtype made is
+    in it, within the tolerance that dtype implies); when the export was rounded, also with
+    dcpkit's model given the exported weights (names and model code, within 1e-4). ``dtypes``:
+    the exported tensors' dtypes."""
     from dcpkit.models import known_models
 
     if adapter.family == "hf":
-        return verify_logits_hf(folder, result, source)
+        return verify_logits_hf(folder, result, source, dtypes)
     if adapter.family not in known_models():
         result.notes.append(f"logits not compared: dcpkit has no {adapter.family} model")
         return None
@@ -69,23 +110,35 @@ def verify_logits(
         ours = build_model(adapter.family, replace(args, max_seq_len=64))
     ours.to_empty(device="cpu")
     ours.init_weights()
-    written = SafetensorsFolder(folder)
-    plan = adapter.plan_from_hf(
-        {k: written.shape(k) for k in written.names()}, args, result.flavor, str(folder)
-    )
-    view = FromHF(written, plan)
-    state = {c: view.read(c).float() for c in view.names()}
-    ours.load_state_dict(state, strict=True)
     ours.eval()
-    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    tokens = _tokens(args.vocab_size)
     with torch.no_grad():
-        diff = max_abs_diff(hf_model(tokens).logits, ours(tokens))
-    if diff > 1e-4:
-        raise ConversionError(
-            f"verification failed: transformers' logits differ from dcpkit's by {diff:.3g} "
-            "(more than 1e-4)"
+        exported = hf_model(tokens).logits
+    if set(dtypes) != {source.dtype(k) for k in _model_keys(source)}:
+        # rounded: the exported weights in dcpkit's model check the code and names alone
+        written = SafetensorsFolder(folder)
+        plan = adapter.plan_from_hf(
+            {k: written.shape(k) for k in written.names()}, args, result.flavor, str(folder)
         )
-    return diff
+        view = FromHF(written, plan)
+        ours.load_state_dict({c: view.read(c).float() for c in view.names()}, strict=True)
+        with torch.no_grad():
+            same_weights = max_abs_diff(exported, ours(tokens))
+        if same_weights > IMPLEMENTATION_TOLERANCE:
+            raise ConversionError(
+                f"verification failed: transformers' logits differ from dcpkit's on the same "
+                f"weights by {same_weights:.3g} (more than {IMPLEMENTATION_TOLERANCE})"
+            )
+        result.max_implementation_diff = same_weights
+    expected = set(ours.state_dict())
+    state = {k: source.read(k).float() for k in _model_keys(source) if k in expected}
+    ours.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        return _against_source(result, exported, ours(tokens), dtypes)
+
+
+def _model_keys(source: Any) -> list[str]:
+    return [k for k in source.tensors if source.is_model_key(k)]
 
 
 def verify_dcp_tensors(
@@ -110,7 +163,7 @@ def verify_dcp_tensors(
     return worst
 
 
-def verify_logits_hf(folder: Path, result: Any, source: Any) -> float | None:
+def verify_logits_hf(folder: Path, result: Any, source: Any, dtypes: Any) -> float | None:
     """A transformers-named export: ``from_pretrained`` of the folder against the same
     architecture rebuilt from its config and given the source checkpoint's tensors."""
     try:
@@ -131,12 +184,6 @@ def verify_logits_hf(folder: Path, result: Any, source: Any) -> float | None:
     rebuilt.load_state_dict(state, strict=True)
     if getattr(config, "tie_word_embeddings", False):
         rebuilt.tie_weights()
-    vocab = int(config.vocab_size)
-    tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    tokens = _tokens(int(config.vocab_size))
     with torch.no_grad():
-        diff = max_abs_diff(exported(tokens).logits, rebuilt(tokens).logits)
-    if diff > 1e-4:
-        raise ConversionError(
-            f"verification failed: the export's logits differ from the checkpoint's by {diff:.3g}"
-        )
-    return diff
+        return _against_source(result, exported(tokens).logits, rebuilt(tokens).logits, dtypes)

@@ -51,7 +51,7 @@ def to_torch(
         leaves = [(k, src.shape(k), src.dtype(k)) for k in keys]
         total = sum(src.nbytes(k) for k in keys)
         with output(out, is_dir=False, force=force, storage_options=storage_options) as pending:
-            writer = TorchSaveWriter(pending.scratch(), nest(flat), leaves)
+            writer = TorchSaveWriter(pending.scratch(), nest(flat), leaves, Path(str(out)).name)
             with progress(total, "to-torch") as bar, recycled_blocks():
                 for k in keys:
                     for rows in row_blocks(src.shape(k), src.dtype(k).itemsize, budget):

@@ -266,21 +266,26 @@ def hf_problems(path: Path) -> list[Problem]:
     return problems
 
 
-def torch_file_problems(path: Path) -> list[Problem]:
-    """A ``torch.save`` archive: every record read and checked against its CRC-32 (a record
-    written without one, by ``torch.serialization.set_crc32_options(False)``, is not: there is
-    nothing to check it against)."""
+def torch_file_problems(path: Path) -> tuple[list[Problem], int, int]:
+    """A ``torch.save`` archive: every record read and checked against its CRC-32. Returns the
+    problems, the records checked and the records that carry no CRC-32 (written with
+    ``torch.serialization.set_crc32_options(False)``, or laid out and filled in afterwards):
+    there is nothing to check those against, and the caller must say so."""
+    checked = unchecked = 0
     try:
         with zipfile.ZipFile(path) as zf:
             for info in zf.infolist():
                 if info.CRC == 0 and info.file_size:
+                    unchecked += 1
                     continue
                 try:
                     with zf.open(info) as r:
                         while r.read(1 << 20):
                             pass
                 except zipfile.BadZipFile:
-                    return [Problem(path.name, f"record {info.filename} fails its CRC-32 check")]
+                    problem = Problem(path.name, f"record {info.filename} fails its CRC-32 check")
+                    return [problem], checked, unchecked
+                checked += 1
     except (zipfile.BadZipFile, EOFError, OSError) as e:
-        return [Problem(path.name, f"is not a readable torch.save archive ({e})")]
-    return []
+        return [Problem(path.name, f"is not a readable torch.save archive ({e})")], 0, 0
+    return [], checked, unchecked

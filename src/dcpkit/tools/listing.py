@@ -45,7 +45,8 @@ def list_checkpoints(
     local_folder: str | None = None,
 ) -> Listing:
     """Every checkpoint and leftover under ``folder``; a published one that fails verification
-    (sizes and structure, and with ``checksums`` its checksums) is marked CORRUPT."""
+    (sizes and structure, and with ``checksums`` its checksums) is marked CORRUPT, and one that
+    passes says what was verified."""
     store = open_store(folder, storage_options)
     store.check_reachable()
     st = store.stat("")
@@ -58,11 +59,16 @@ def list_checkpoints(
             f"{store.root} is not a folder; pass the folder that holds step-N checkpoints"
         )
     entries = store.entries()
+    checked = "sizes, structure and checksums" if checksums else "sizes and structure"
     for entry in entries:
         if entry.published:
             report = verify_checkpoint(store, entry.name, checksums=checksums)
             if not report.ok:
                 entry.status = f"CORRUPT ({report.problems[0]})"
+            elif report.files_checked:
+                entry.status += f"; {checked} verified"
+            else:
+                entry.status += "; structure verified (no manifest: no sizes or checksums)"
     memory_root, memory = memory_tier(store.root, local_folder)
     return Listing(store.root, entries, memory_root if memory else None, memory or None)
 
@@ -94,3 +100,8 @@ def listing_lines(listing: Listing) -> list[str]:
         age = _human_age(now - row.mtime) if row.mtime is not None else "-"
         lines.append(f"{row.name:<18} {step:>8} {human_bytes(row.size):>10} {age:>6}  {row.status}")
     return lines + memory
+
+
+def corrupt(listing: Listing) -> list[str]:
+    """The published checkpoints of ``listing`` that failed verification."""
+    return [e.name for e in listing.entries if e.status.startswith("CORRUPT")]

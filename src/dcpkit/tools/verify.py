@@ -24,8 +24,9 @@ def report_lines(report: VerifyReport) -> list[str]:
     if report.ok:
         what = "sizes and checksums" if report.checksummed else "sizes"
         checked = (
-            f"{what} of {report.files_checked} file(s) match"
-            if report.files_checked
+            report.summary
+            or f"{what} of {report.files_checked} file(s) match"
+            if report.files_checked or report.summary
             else "no manifest, so no file sizes or checksums to compare"
         )
         lines.append(f"OK: {report.path} ({report.kind}): structure intact, {checked}")
