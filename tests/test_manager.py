@@ -51,6 +51,7 @@ def test_round_trip_restores_everything(tmp_path):
     mgr = _manager(tmp_path, model, opt, sched, counter, interval=3)
     _train(model, opt, sched, counter, 3, mgr)
     expected_rand = (random.random(), np.random.rand(), torch.rand(3))
+    mgr.close()  # one manager saves into a folder at a time, in a process too
 
     model2, opt2, sched2, counter2 = _setup(seed=1)
     mgr2 = _manager(tmp_path, model2, opt2, sched2, counter2, interval=3)
@@ -104,6 +105,7 @@ def test_a_large_share_is_written_as_a_file_per_thread(tmp_path, monkeypatch):
     files = sorted(p.name for p in step.glob("*.distcp"))
     assert files == [f"__0_{i}.distcp" for i in range(io_threads())], files
     assert mgr.verify(step) == []
+    mgr.close()
     model2, opt2, sched2, counter2 = _setup(seed=1)
     assert _manager(tmp_path, model2, opt2, sched2, counter2, interval=1).load() == 1
     for a, b in zip(model.parameters(), model2.parameters()):
@@ -183,6 +185,7 @@ def test_load_step(tmp_path):
     mgr = _manager(tmp_path, model, opt, sched, counter, interval=2)
     _train(model, opt, sched, counter, 4, mgr)
     assert open_store(tmp_path / "checkpoint").published_steps() == [2, 4]
+    mgr.close()
     model2, opt2, sched2, counter2 = _setup()
     assert _manager(tmp_path, model2, opt2, sched2, counter2, load_step=2).load() == 2
     assert counter2.step == 2
@@ -212,6 +215,7 @@ def test_last_save_is_model_only_in_export_dtype(tmp_path):
     assert all(m.properties.dtype == torch.bfloat16 for m in meta.values())
     manifest = read_manifest(ckpt)
     assert manifest["model_only"] and manifest["dtype"] == "bfloat16"
+    mgr.close()
     # A fresh fp32 model loads it when asked to load the model only (the rest starts fresh).
     model2, opt2, sched2, counter2 = _setup(seed=1)
     _manager(tmp_path, model2, opt2, sched2, counter2, load_model_only=True).load()

@@ -73,7 +73,7 @@ def test_a_model_only_save_loads_only_when_asked(tmp_path):
         mgr.save(3, last_step=True)  # a finished run's last save: the model only
     fresh = torch.nn.Linear(4, 4)
     opt2 = torch.optim.AdamW(fresh.parameters())
-    with pytest.raises(CheckpointError, match=r"holds the model only .* load_model_only = true"):
+    with pytest.raises(CheckpointError, match=r"is a model-only save.*load_model_only = true"):
         CheckpointManager(cfg, tmp_path, fresh, opt2, states={"data": Counter()}).load()
     cfg = CheckpointConfig(enable=True, load_model_only=True)
     assert CheckpointManager(cfg, tmp_path, fresh, opt2, states={"data": Counter()}).load() == 3

@@ -318,9 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trust_pickle(p)
     p.add_argument(
         "--model",
-        default="llama3",
         choices=known_families(),
-        help="family for mapping a Hugging Face folder (default llama3)",
+        help="family for mapping a Hugging Face folder (default: inferred from the checkpoint's "
+        "parameter names and config.json)",
     )
     p.add_argument("--memory-budget", default="256MiB", metavar="SIZE", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_diff, passthrough=False)

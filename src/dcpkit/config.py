@@ -4,6 +4,7 @@ dataclass <-> TOML machinery that the trainer's other sections share."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 import types
 import typing
@@ -88,7 +89,8 @@ class CheckpointConfig:
     """Grace period after SIGTERM: past it (or at a second SIGTERM) the process exits at once."""
 
     def __post_init__(self) -> None:
-        self.async_mode = str(self.async_mode).lower()
+        check_fields(self, "checkpoint")
+        self.async_mode = self.async_mode.lower()
         if not str(self.folder).strip():
             raise ConfigError("[checkpoint] folder must not be empty (default: 'checkpoint')")
         if not self.storage_retry_s >= 0:
@@ -143,6 +145,11 @@ class CheckpointConfig:
                 "[checkpoint] exclude_from_loading may not contain 'model': a checkpoint is "
                 "loaded to restore the model"
             )
+        if self.initial_load_in_hf and not self.initial_load_path:
+            raise ConfigError(
+                "[checkpoint] initial_load_in_hf = true, but initial_load_path is not set: set it "
+                "to the Hugging Face folder to start from (or set initial_load_in_hf = false)"
+            )
         if self.initial_load_in_hf and not self.initial_load_model_only:
             raise ConfigError(
                 "[checkpoint] initial_load_in_hf = true requires initial_load_model_only = true: "
@@ -157,9 +164,18 @@ class CheckpointConfig:
     @classmethod
     def from_toml(cls, path: str | Path) -> CheckpointConfig:
         """Read the ``[checkpoint]`` section of a TOML file."""
+        return section_from_dict(cls, "checkpoint", read_toml(path).get("checkpoint", {}))
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file's content; a syntax error is a ``ConfigError`` naming the file and line."""
+    try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
-        return section_from_dict(cls, "checkpoint", data.get("checkpoint", {}))
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read the config file {path}: {e.strerror}") from None
 
 
 # --- dataclass <-> dict machinery ---------------------------------------------------------------
@@ -178,11 +194,17 @@ def _base_type(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
-def coerce_value(section: str, name: str, annotation: Any, value: Any) -> Any:
-    """Convert a TOML value, or a command-line string, to the option's type; errors name it."""
+def coerce_value(
+    section: str, name: str, annotation: Any, value: Any, from_text: bool = False
+) -> Any:
+    """Check a value against the option's type, naming the option when it is wrong. A value
+    from TOML or Python must have the type (an int where a float is asked is taken); only a
+    command-line string (``from_text``) is parsed: ``true``/``false``, numbers, JSON tables
+    and lists (or a comma-separated list)."""
     base, optional = _base_type(annotation)
     where = f"[{section}] {name}"
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "")):
+    text = from_text and isinstance(value, str)
+    if value is None or (optional and text and value.lower() in ("none", "")):
         if optional:
             return None
         raise ConfigError(f"{where} cannot be empty")
@@ -190,48 +212,72 @@ def coerce_value(section: str, name: str, annotation: Any, value: Any) -> Any:
     if base is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
+        if text and value.lower() in ("true", "false"):
             return value.lower() == "true"
         raise ConfigError(f"{where} must be true or false, got {value!r}")
     if base in (int, float):
+        kind = "an integer" if base is int else "a number"
         if isinstance(value, bool):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
-        try:
-            if base is int and isinstance(value, float) and not value.is_integer():
-                raise ValueError
+            raise ConfigError(f"{where} must be {kind}, got {value!r}")
+        if isinstance(value, int) or (base is float and isinstance(value, float)):
             return base(value)
-        except (TypeError, ValueError):
-            kind = "an integer" if base is int else "a number"
-            raise ConfigError(f"{where} must be {kind}, got {value!r}") from None
+        if text:
+            try:
+                return base(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} must be {kind}, got {value!r}")
     if base is str:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r}")
         return value
     if origin is dict or base is dict:
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise ConfigError(
-                    f"{where} must be a table (JSON on the command line), got {value!r}"
-                ) from None
+        if text:
+            value = _json(where, value, "a table (JSON on the command line)")
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a table, got {value!r}")
         return value
     if origin is list:
         (item_type,) = typing.get_args(base) or (str,)
-        if isinstance(value, str):
+        if text and value.strip().startswith("["):
+            value = _json(where, value, "a list (JSON or TOML syntax on the command line)")
+        elif text:
             value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
+        if not isinstance(value, list | tuple):
             raise ConfigError(f"{where} must be a list, got {value!r}")
         return [coerce_value(section, name, item_type, v) for v in value]
     return value
 
 
-def section_from_dict(cls: type, section: str, data: dict[str, Any]) -> Any:
-    """Build the dataclass of one TOML section; an unknown option is an error naming it."""
+def _json(where: str, value: str, what: str) -> Any:
+    """A command-line value in JSON, or in TOML's syntax (``['a', 'b']``, ``{k = 1}``)."""
+    import json
+
+    try:
+        return json.loads(value)
+    except ValueError:
+        pass
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        raise ConfigError(f"{where} must be {what}, got {value!r}") from None
+
+
+def check_fields(obj: Any, section: str) -> None:
+    """Every field of the dataclass ``obj`` has its declared type, whoever built it (Python,
+    TOML, the command line): a wrong one is a ``ConfigError`` naming the option."""
+    hints = _field_types(type(obj))
+    for f in dataclasses.fields(obj):
+        setattr(obj, f.name, coerce_value(section, f.name, hints[f.name], getattr(obj, f.name)))
+
+
+def section_from_dict(
+    cls: type, section: str, data: dict[str, Any], text: set[str] | frozenset[str] = frozenset()
+) -> Any:
+    """Build the dataclass of one TOML section; an unknown option is an error naming it.
+    ``text``: the options whose value is a command-line string, parsed to the option's type."""
     if not isinstance(data, dict):
         raise ConfigError(f"[{section}] must be a table of options, got {data!r}")
     hints = _field_types(cls)
@@ -242,7 +288,7 @@ def section_from_dict(cls: type, section: str, data: dict[str, Any]) -> Any:
             f"unknown option {', '.join(f'[{section}] {u}' for u in unknown)}; "
             f"[{section}] knows: {', '.join(names)}"
         )
-    kwargs = {k: coerce_value(section, k, hints[k], v) for k, v in data.items()}
+    kwargs = {k: coerce_value(section, k, hints[k], v, k in text) for k, v in data.items()}
     try:
         return cls(**kwargs)
     except ConfigError:

@@ -2,7 +2,11 @@
 with CheckpointManager, a user state beside it; writes its config.json and, on rank 0, the
 trained model's logits on fixed tokens (a safetensors file) for the test to compare with.
 
-    hf_named_fsdp.py OUT llama|qwen3
+    hf_named_fsdp.py OUT llama|qwen3 [hf_last]
+
+With ``hf_last``: ``HFModel("hf", model.config)`` (the model's own transformers config) and
+``last_save_in_hf``: the last step is published as a Hugging Face folder; a second manager on the
+folder, in the same process, must be refused (prints SECOND REFUSED).
 """
 
 import os
@@ -15,7 +19,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from dcpkit import CheckpointConfig, CheckpointManager, dist
+from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager, HFModel, dist
 
 TINY = {
     "vocab_size": 96,
@@ -58,8 +62,13 @@ def main() -> None:
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = Data()
-    cfg = CheckpointConfig(enable=True, folder=str(out / "checkpoint"), interval=4)
-    mgr = CheckpointManager(cfg, out, model, opt, states={"data": data})
+    hf_last = sys.argv[3:] == ["hf_last"]
+    cfg = CheckpointConfig(
+        enable=True, folder=str(out / "checkpoint"), interval=4 if not hf_last else 2,
+        last_save_model_only=hf_last, last_save_in_hf=hf_last,
+    )  # fmt: skip
+    hf_model = HFModel("hf", model.config) if hf_last else None
+    mgr = CheckpointManager(cfg, out, model, opt, states={"data": data}, hf_model=hf_model)
     gen = torch.Generator().manual_seed(1)
     for step in range(1, 5):
         tokens = torch.randint(0, TINY["vocab_size"], (2, 16), generator=gen)
@@ -69,7 +78,12 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         data.step = step
-        mgr.save(step)
+        mgr.save(step, last_step=hf_last and step == 4)
+        if hf_last and step == 2:
+            try:
+                CheckpointManager(cfg, out, build(kind), states={"data": Data()}, hf_model=hf_model)
+            except CheckpointError as e:
+                print(f"SECOND REFUSED: {e}", flush=True)
     mgr.close()
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)

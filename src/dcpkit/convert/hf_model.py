@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from dcpkit.convert.adapters import get_adapter
+from dcpkit.convert.adapters import ConversionError, get_adapter
+from dcpkit.convert.adapters.hf import HFConfig
 from dcpkit.convert.fp8 import dequantizing
 from dcpkit.convert.views import FromHF
 from dcpkit.formats.dcp import DCPCheckpoint
@@ -20,11 +21,40 @@ from dcpkit.formats.safetensors import SafetensorsFolder
 
 @dataclass
 class HFModel:
-    """Model family, args, and the tokenizer to ship with a Hugging Face export."""
+    """Model family, args, and the tokenizer to ship with a Hugging Face export.
+
+    ``args``: for a ``transformers`` model (family ``"hf"``), its config (``model.config``),
+    that config as a dict, or the path of its ``config.json``; for one of dcpkit's families, a
+    flavor name (``"8B"``), the family's model args, or a ``config.json`` (dict, object or
+    path) to read them from."""
 
     family: str
     args: Any
     tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        from dcpkit.config import ConfigError
+
+        try:
+            adapter = get_adapter(self.family)
+            self.args = _model_args(adapter, self.args)
+        except ConversionError as e:
+            raise ConfigError(f"HFModel({self.family!r}, ...): {e}") from None
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str | Path):
+            raise ConfigError(
+                f"HFModel tokenizer must be a path (tokenizer.json or a folder), got "
+                f"{type(self.tokenizer).__name__}"
+            )
+
+    def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Before training: the model whose parameters (global shapes) are ``shapes`` can be
+        exported by this family with these args, and the tokenizer is there; raises
+        ``ValueError`` naming what is wrong (the last save would fail otherwise)."""
+        adapter = get_adapter(self.family)
+        flavor = adapter.flavor_name(self.args) or "custom"
+        adapter.plan_to_hf(shapes, self.args, flavor, "the model given to CheckpointManager")
+        if self.tokenizer and not Path(self.tokenizer).exists():
+            raise ConversionError(f"the tokenizer {self.tokenizer} does not exist")
 
     def export(self, view: Any, out: Path) -> None:
         """Write the model of the DCP checkpoint ``view`` into the empty folder ``out``."""
@@ -55,3 +85,22 @@ class HFModel:
                 yield view.hf_names(ours)[0], ours, view.read(ours)
         finally:
             folder.close()
+
+
+def _model_args(adapter: Any, args: Any) -> Any:
+    """``args`` as the family's model args (see ``HFModel``)."""
+    if isinstance(args, str | Path):
+        return adapter.resolve_flavor(str(args))
+    to_dict = getattr(args, "to_dict", None)
+    if callable(to_dict) and not isinstance(args, dict):  # a transformers PretrainedConfig
+        args = to_dict()
+    if isinstance(args, dict):
+        return adapter.args_from_hf_config(args)
+    known = {type(a) for a in adapter.flavors.values()} or {HFConfig}
+    if type(args) not in known:
+        expected = " or ".join(sorted(t.__name__ for t in known))
+        raise ConversionError(
+            f"args must be a flavor name, a config.json (a dict, a transformers config or its "
+            f"path) or {expected}, got {type(args).__name__}"
+        )
+    return args

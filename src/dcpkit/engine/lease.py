@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 from dcpkit.errors import CheckpointError
@@ -150,19 +151,54 @@ class Lease:
             logger.warning("checkpoint: could not release the lease of %s: %s", self.store.root, e)
 
 
-def check_free(store: Any, timeout_s: float) -> None:
-    """Every rank: raise on every rank when another live run holds the folder's lease."""
+_WRITERS: dict[str, weakref.ref] = {}  # folder -> the manager that may save there, this process
+_WRITERS_LOCK = threading.Lock()
+
+
+def _claim(store: Any, owner: Any, claim: bool) -> None:
+    """Each rank for itself: raise when another live manager of this process has saved into
+    ``store``'s folder; with ``claim``, ``owner`` becomes the one (until ``release_folder``)."""
+    with _WRITERS_LOCK:
+        held = _WRITERS.get(store.root)
+        other = held() if held is not None else None
+        if other is not None and other is not owner:
+            raise CheckpointError(
+                f"{store.root} is already the checkpoint folder of another CheckpointManager of "
+                "this process, which has saved there: two managers saving into one folder "
+                "replace each other's steps. Close the first one (close(), or a with block) "
+                "before creating another, or give each its own folder (CheckpointConfig.folder)"
+            )
+        if claim:
+            _WRITERS[store.root] = weakref.ref(owner)
+
+
+def check_free(store: Any, timeout_s: float, owner: Any = None) -> None:
+    """Every rank: raise on every rank when another live run holds the folder's lease, or (each
+    rank for itself) when another live manager of this process has saved into it."""
     from dcpkit import dist
 
+    if owner is not None:
+        _claim(store, owner, claim=False)
     error = dist.first_rank_error(Lease(store, timeout_s).check, (CheckpointError,))
     if error:
         raise CheckpointError(error)
 
 
-def take_lease(store: Any, timeout_s: float) -> Lease | None:
+def release_folder(store: Any, owner: Any) -> None:
+    """``owner`` no longer saves into ``store``'s folder: another manager of this process may."""
+    with _WRITERS_LOCK:
+        held = _WRITERS.get(store.root)
+        if held is not None and held() in (owner, None):
+            del _WRITERS[store.root]
+
+
+def take_lease(store: Any, timeout_s: float, owner: Any = None) -> Lease | None:
     """Every rank: rank 0 takes the lease (the others get None); raises on every rank when the
-    folder is in use."""
+    folder is in use. ``owner``: the manager, which claims the folder in this process too."""
     from dcpkit import dist
+
+    if owner is not None:
+        _claim(store, owner, claim=True)
 
     lease = Lease(store, timeout_s) if dist.rank() == 0 else None
     error = dist.first_rank_error(lease.acquire if lease else lambda: None, (CheckpointError,))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcpkit import dist
+from dcpkit.config import ConfigError
 from dcpkit.engine.policy import choose_step, fallback_steps, is_seed_step
 from dcpkit.engine.restore import FailedVerification
 from dcpkit.errors import CheckpointError
@@ -40,9 +41,16 @@ class LoadPlan:
     own: bool = False
     """One of this run's published steps (an initial_load_path need not carry a marker)."""
 
+    finished: bool = False
+    """The error is a finished run's model-only step (a ``CheckpointError``, not an option's)."""
+
     @classmethod
-    def failed(cls, error: str) -> LoadPlan:
-        return cls(None, None, None, False, "", error=error)
+    def failed(cls, error: str, finished: bool = False) -> LoadPlan:
+        return cls(None, None, None, False, "", error=error, finished=finished)
+
+    def raise_if_failed(self) -> None:
+        if self.error:
+            raise (CheckpointError if self.finished else ConfigError)(self.error)
 
     @property
     def location(self) -> str:
@@ -68,7 +76,7 @@ def plan_load(config: Any, store: Any) -> LoadPlan:
         name = step_name(choice.step)
         model_only = is_seed_step(choice.step) or config.load_model_only
         if not model_only and _holds_model_only(store, name):
-            return LoadPlan.failed(_finished_run_message(store, choice.step, config))
+            return LoadPlan.failed(_finished_run_message(store, choice.step, config), True)
         return LoadPlan(store, name, choice.step, model_only, reason, own=True)
     if config.initial_load_path:
         return _plan_initial_load(config)
@@ -110,7 +118,8 @@ def _finished_run_message(store: Any, step: int, config: Any) -> str:
         "RNG. Resuming from it would start training again at step 1 over this run's own "
         "checkpoints, so nothing is loaded and nothing written. The run is finished; to train "
         f"on from its weights with everything else fresh, set [checkpoint] initial_load_path = "
-        f"{store.location(step_name(step))!r}{hf} with an empty checkpoint folder; "
+        f"{store.location(step_name(step))!r}{hf} with an empty checkpoint folder (load_model_only "
+        f"= true loads it here, but no save may then replace a step of the finished run); "
         f"{extend}"
     )
 
@@ -129,6 +138,12 @@ def _plan_initial_load(config: Any) -> LoadPlan:
         return LoadPlan.failed(
             f"[checkpoint] initial_load_path {where} holds no Hugging Face safetensors "
             f"({HF_SINGLE} or {HF_INDEX}), and initial_load_in_hf = true"
+        )
+    if not config.initial_load_in_hf and METADATA not in names and names & HF_FILES:
+        return LoadPlan.failed(
+            f"[checkpoint] initial_load_path {where} is a Hugging Face folder (it holds "
+            f"{', '.join(sorted(names & HF_FILES))}, no {METADATA}): set initial_load_in_hf = "
+            "true to load it (with hf_model=HFModel(...) given to CheckpointManager)"
         )
     if not config.initial_load_in_hf and METADATA not in names:
         return LoadPlan.failed(

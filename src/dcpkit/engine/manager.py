@@ -20,15 +20,15 @@ from typing import Any
 from torch import nn
 
 from dcpkit import dist
-from dcpkit.config import CheckpointConfig, ConfigError
+from dcpkit.config import CheckpointConfig
 from dcpkit.engine import load as load_plan
-from dcpkit.engine.lease import check_free, check_lease, take_lease
+from dcpkit.engine.lease import check_free, check_lease, release_folder, take_lease
 from dcpkit.engine.memory_tier import MemoryTier
-from dcpkit.engine.policy import config_problem, should_save
+from dcpkit.engine.policy import should_save
 from dcpkit.engine.preempt import Preemption
 from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.restore import HFCodec, restore
-from dcpkit.engine.save import Saver, check_replacement, collect, mesh_info
+from dcpkit.engine.save import Saver, check_config, check_replacement, collect, mesh_info
 from dcpkit.engine.states import (
     ModelState,
     Stateful,
@@ -71,9 +71,7 @@ class CheckpointManager:
             model, optimizer, lr_scheduler, dataloader, states, per_rank_states
         )
         self.save_rng = save_rng
-        error = config_problem(config, self.state_names(), hf_model is not None)
-        if error:
-            raise ConfigError(error)
+        check_config(config, self.state_names(), hf_model, self.model)
         self.rank, self.world_size = dist.rank(), dist.world_size()
         self.last_saved_step: int | None = None
         self.loaded_step: int | None = None
@@ -82,7 +80,7 @@ class CheckpointManager:
         if config.enable:
             load_plan.check_reachable(self.store)
         if writes:  # a folder in use by another live run: stop now, before anything is written
-            check_free(self.store, config.lease_timeout_s)
+            check_free(self.store, config.lease_timeout_s, owner=self)
         self._lease: Any = None
         self._leased = False  # taken at the first save
         if writes and self.rank == 0:
@@ -114,8 +112,7 @@ class CheckpointManager:
             return None
         plan = load_plan.plan_load(self.config, self.store) if self.rank == 0 else None
         plan = dist.broadcast_object(plan)
-        if plan.error:
-            raise ConfigError(plan.error)
+        plan.raise_if_failed()
         if self._memory is not None and self.config.load_step == -1:
             step = self._memory.recover(plan.step)
             if step is not None:
@@ -208,7 +205,8 @@ class CheckpointManager:
                 self.last_memory_step = step
             return False
         if not self._leased:  # every rank: rank 0 holds the lease, the others know it is held
-            self._lease, self._leased = take_lease(self.store, self.config.lease_timeout_s), True
+            self._lease = take_lease(self.store, self.config.lease_timeout_s, owner=self)
+            self._leased = True
         check_lease(self._lease)
         check_replacement(self.store, step, self._resumed_from)
         model_only = last_step and self.config.last_save_model_only
@@ -285,6 +283,7 @@ class CheckpointManager:
             try:
                 saver.close()
             finally:
+                release_folder(self.store, self)
                 if self._lease is not None:
                     self._lease.release()
                 if self._preempt is not None:

@@ -14,9 +14,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from dcpkit import dist
+from dcpkit.config import ConfigError
 from dcpkit.engine import planning
 from dcpkit.engine.async_save import AsyncCheckpointer
-from dcpkit.engine.policy import replacing_problem, steps_to_delete
+from dcpkit.engine.policy import config_problem, replacing_problem, steps_to_delete
 from dcpkit.engine.publish import Published, StepInfo, delete_steps, write_and_publish
 from dcpkit.engine.restore import HFCodec
 from dcpkit.engine.states import ModelState, Stateful, capture_rng, rank_key
@@ -97,6 +98,24 @@ def write_hf_step(info: StepInfo, state: dict[str, Any], hf: HFCodec) -> Publish
         doomed = steps_to_delete(store.published_steps(), info.keep_latest_k)
     dist.barrier()
     return Published(0.0, doomed)
+
+
+def check_config(config: Any, state_names: list[str], hf: Any, model: ModelState) -> None:
+    """Every rank, before training: the options fit the state, and what the last save needs
+    is there (a Hugging Face last save: the family can export this model, the tokenizer
+    exists), so that a run never trains to its end to fail at its final save."""
+    error = config_problem(config, state_names, hf is not None)
+    if not error and config.enable and config.last_save_in_hf and not config.load_only:
+        shapes: dict[str, tuple[int, ...]] = {}  # global shapes; pipeline stages' merged
+        for part in dist.all_gather_object(
+            {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        ):
+            shapes.update(part)
+        check = getattr(hf, "check", None)
+        failed = dist.first_rank_error(lambda: check and check(shapes), (ValueError,))
+        error = f"[checkpoint] last_save_in_hf = true, but {failed}" if failed else None
+    if error:
+        raise ConfigError(error)
 
 
 def check_replacement(store: Any, step: int, resumed_from: int | None) -> None:

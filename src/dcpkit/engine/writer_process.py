@@ -4,13 +4,16 @@ its training process."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,7 +49,8 @@ class WriterProcess:
             daemon=True,
             name=f"dcpkit-writer-{rank}",
         )
-        self.process.start()
+        with _main_module_hidden():
+            self.process.start()
         child_conn.close()
         self._ready = False
         self._sent_plan: tuple[list[WriteItem], dict[str, Any]] | None = None
@@ -62,12 +66,8 @@ class WriterProcess:
             how = f"exited with code {code}"
         else:
             how = "stopped answering"
-        hint = (
-            '; a script that starts it needs an `if __name__ == "__main__":` guard'
-            if not self._ready
-            else ""
-        )
-        return RuntimeError(f"the checkpoint writer process {how}{hint}")
+        when = " before it was ready" if not self._ready else ""
+        return RuntimeError(f"the checkpoint writer process {how}{when}")
 
     def _expect(self, kind: str) -> Any:
         while not self.conn.poll(1.0):
@@ -121,6 +121,27 @@ class WriterProcess:
             pass
         if self.process.is_alive():
             self.process.kill()
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """A spawned process runs the launching script again (as ``__mp_main__``) unless its code
+    stands under ``if __name__ == "__main__":``; the writer needs nothing of it, so it is not
+    told where the script is. A script without the guard would otherwise start its training
+    again inside the writer (under torchrun: join the job's rendezvous as a rank it is not,
+    and hang)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _die_with_parent(parent: int) -> None:

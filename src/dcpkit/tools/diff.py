@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from dcpkit.convert.adapters import get_adapter
+from dcpkit.convert.adapters.base import infer_family
 from dcpkit.convert.common import DEFAULT_BUDGET, max_abs_diff, row_blocks
 from dcpkit.convert.views import FromHF
 from dcpkit.formats.blocks import recycled_blocks
@@ -82,13 +83,15 @@ class _Mapped:
 def diff_paths(
     a: str | Path,
     b: str | Path,
-    family: str = "llama3",
+    family: str | None = None,
     budget: int = DEFAULT_BUDGET,
     storage_options: dict[str, Any] | None = None,
     trust_pickle: bool = False,
 ) -> DiffResult:
     """Compare every tensor of ``a`` and ``b``, folders, files or URLs (row block by row
-    block: bounded memory; a remote checkpoint is read in place)."""
+    block: bounded memory; a remote checkpoint is read in place). ``family``: the key map
+    between a checkpoint and a Hugging Face folder; None infers it (from the checkpoint's
+    parameter names and the folder's ``config.json``) and says so in the notes."""
     with (
         open_checkpoint(a, storage_options) as va,
         open_checkpoint(b, storage_options) as vb,
@@ -101,16 +104,19 @@ def diff_paths(
         )
 
 
-def _diff(sa: Any, sb: Any, family: str, budget: int) -> DiffResult:
+def _diff(sa: Any, sb: Any, family: str | None, budget: int) -> DiffResult:
     result = DiffResult()
     try:
         left, right = sa, sb
         names_a, names_b = list(sa.names()), list(sb.names())
         if (sa.kind == HF) != (sb.kind == HF):
-            mapped = _Mapped(sa if sa.kind == HF else sb, family)
-            other = sb if sa.kind == HF else sa
+            hf, other = (sa, sb) if sa.kind == HF else (sb, sa)
             model_key = getattr(other, "is_model_key", is_model_key)
             keep = [n for n in other.names() if model_key(n)]
+            if family is None:
+                family, why = infer_family(hf.config(), keep)
+                result.notes.append(f"model family {family}: {why} (--model to choose another)")
+            mapped = _Mapped(hf, family)
             skipped = len(other.names()) - len(keep)
             if skipped:
                 result.notes.append(

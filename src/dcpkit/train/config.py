@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from dcpkit.config import (
     CheckpointConfig,
     ConfigError,
+    read_toml,
     section_from_dict,
     section_to_dict,
 )
@@ -247,11 +247,7 @@ def load_config(argv: list[str]) -> TrainConfig:
                 f"--job.config_file {config_file!r} does not exist (configs shipped with dcpkit, "
                 f"usable by name: {known})"
             )
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{config_file} is not valid TOML: {e}") from None
+        data = read_toml(path)
     for section in list(data) + list(overrides):
         if section not in SECTIONS:
             raise ConfigError(f"unknown section [{section}]; known sections: {', '.join(SECTIONS)}")
@@ -267,5 +263,6 @@ def load_config(argv: list[str]) -> TrainConfig:
             if raw is None:
                 raw = "true"
             values[option] = raw
-        built[section] = section_from_dict(cls, section, values)
+        text = set(overrides.get(section, {}))  # command-line strings, parsed to their types
+        built[section] = section_from_dict(cls, section, values, text)
     return TrainConfig(**built)

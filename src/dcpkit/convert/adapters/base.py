@@ -125,6 +125,42 @@ def decoder_hf_config(
 
 _HF_NAMED = re.compile(r"^(model\.)?(embed_tokens\.|layers\.\d+\.(self_attn|mlp)\.)")
 
+HF_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+HF_MODEL_TYPES["deepseek_v3"] = "deepseek_v3"
+"""transformers' ``model_type`` -> the dcpkit family whose key map converts it."""
+
+
+def check_model_type(family: str, config: dict[str, Any]) -> None:
+    """A ``config.json`` of another family is an error that names the family to use."""
+    got = config.get("model_type")
+    expected = [t for t, f in HF_MODEL_TYPES.items() if f == family]
+    if got is None or got in expected:
+        return
+    right = HF_MODEL_TYPES.get(got)
+    how = (
+        f"use --model {right} (the {right} family)"
+        if right
+        else "dcpkit has no key map for it: use --model hf, which keeps the transformers "
+        "model's own parameter names"
+    )
+    raise ConversionError(
+        f"config.json has model_type {got!r}, not {expected[0]!r} (the {family} family); {how}"
+    )
+
+
+def infer_family(config: dict[str, Any] | None, keys: Any = ()) -> tuple[str, str]:
+    """The family of a model from its parameter names and ``config.json``: ``(family, why)``."""
+    named = next((k for k in keys if _HF_NAMED.match(k)), None)
+    if named is not None:
+        return "hf", f"its parameters carry transformers' names ({named})"
+    model_type = (config or {}).get("model_type")
+    if model_type in HF_MODEL_TYPES:
+        family = HF_MODEL_TYPES[model_type]
+        return family, f"config.json's model_type is {model_type!r}"
+    if model_type:
+        return "hf", f"config.json's model_type {model_type!r} has no dcpkit key map"
+    return "llama3", "TorchTitan's parameter names and no config.json to tell more (the default)"
+
 
 def rotary_buffer(key: str) -> bool:
     """A rotary embedding's cached frequencies, which some exports carry as a tensor."""

@@ -18,6 +18,7 @@ from dcpkit.convert.adapters.base import (
     ConversionError,
     KeyPlan,
     ModelAdapter,
+    check_model_type,
     decoder_hf_config,
 )
 from dcpkit.convert.adapters.llama3 import Llama3Adapter
@@ -152,11 +153,7 @@ class DeepSeekV3Adapter(ModelAdapter):
         }
 
     def args_from_hf_config(self, config: dict[str, Any]) -> DeepSeekV3Args:
-        if config.get("model_type") not in (None, "deepseek_v3"):
-            raise ConversionError(
-                f"config.json has model_type {config.get('model_type')!r}, not 'deepseek_v3'; "
-                "use the adapter of that family"
-            )
+        check_model_type(self.family, config)
         rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
         yarn = (rope.get("rope_type") or rope.get("type")) == "yarn"
         mscale = float(rope.get("mscale_all_dim") or 1.0) if yarn else 1.0

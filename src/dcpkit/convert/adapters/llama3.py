@@ -10,6 +10,7 @@ from dcpkit.convert.adapters.base import (
     ConversionError,
     ModelAdapter,
     RopePermute,
+    check_model_type,
     decoder_hf_config,
     decoder_shapes,
 )
@@ -72,11 +73,7 @@ class Llama3Adapter(ModelAdapter):
         }
 
     def args_from_hf_config(self, config: dict[str, Any]) -> Llama3Args:
-        if config.get("model_type") not in (None, "llama"):
-            raise ConversionError(
-                f"config.json has model_type {config.get('model_type')!r}, not 'llama'; "
-                "use the adapter of that family"
-            )
+        check_model_type(self.family, config)
         rope = config.get("rope_parameters") or {}
         scaling = config.get("rope_scaling") or (
             rope if rope.get("rope_type") == "llama3" else None

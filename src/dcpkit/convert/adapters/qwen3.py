@@ -10,6 +10,7 @@ import torch
 from dcpkit.convert.adapters.base import (
     ConversionError,
     ModelAdapter,
+    check_model_type,
     decoder_hf_config,
     decoder_shapes,
 )
@@ -72,11 +73,7 @@ class Qwen3Adapter(ModelAdapter):
         }
 
     def args_from_hf_config(self, config: dict[str, Any]) -> Qwen3Args:
-        if config.get("model_type") not in (None, "qwen3"):
-            raise ConversionError(
-                f"config.json has model_type {config.get('model_type')!r}, not 'qwen3'; "
-                "use the adapter of that family"
-            )
+        check_model_type(self.family, config)
         return self.known_flavor(Qwen3Args(**qwen3_fields(config, tie_default=True)))
 
 

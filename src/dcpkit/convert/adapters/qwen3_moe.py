@@ -10,6 +10,7 @@ import torch
 from dcpkit.convert.adapters.base import (
     ConversionError,
     ModelAdapter,
+    check_model_type,
     decoder_hf_config,
     decoder_shapes,
 )
@@ -80,11 +81,7 @@ class Qwen3MoeAdapter(ModelAdapter):
         }
 
     def args_from_hf_config(self, config: dict[str, Any]) -> Qwen3MoeArgs:
-        if config.get("model_type") not in (None, "qwen3_moe"):
-            raise ConversionError(
-                f"config.json has model_type {config.get('model_type')!r}, not 'qwen3_moe'; "
-                "use the adapter of that family"
-            )
+        check_model_type(self.family, config)
         experts = config.get("num_experts") or config["num_local_experts"]
         args = Qwen3MoeArgs(
             **qwen3_fields(config, tie_default=False),
