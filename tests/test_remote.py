@@ -166,7 +166,10 @@ def test_initial_load_from_s3_dcp_and_hf(s3, stopped_run, tmp_path):
         f"s3://{BUCKET}/seed/hf",
         check=False,
     )
-    assert proc.returncode != 0 and f"s3://{BUCKET}/seed/hf' is not a checkpoint" in proc.stderr
+    assert proc.returncode != 0 and f"s3://{BUCKET}/seed/hf' is a Hugging Face folder" in (
+        proc.stderr
+    )
+    assert "set initial_load_in_hf = true" in proc.stderr
 
 
 def test_missing_bucket_and_bad_url_name_the_url(s3, tmp_path):

@@ -196,6 +196,7 @@ def test_manager_refuses_corrupt_latest_and_can_fall_back(tmp_path, caplog):
     with torch.no_grad():
         model.norm.weight.add_(1.0)
     mgr.save(2)
+    mgr.close()
     _flip(tmp_path / "checkpoint" / "step-2" / "__0_0.distcp", 100)
     fresh = build_model("llama3", "debugmodel", max_seq_len=16, n_layers=1)
     with pytest.raises(CheckpointError, match=r"step-2 failed verification: __0_0.distcp"):

@@ -139,20 +139,15 @@ def _cmd_to_hf(args: argparse.Namespace, rest: list[str]) -> int:
             "to-hf needs a checkpoint and an output folder: dcpkit to-hf CKPT OUT_DIR "
             "--model llama3 --flavor 8B"
         )
-    if args.model == "hf":
-        if not args.config:
-            raise CLIError("to-hf --model hf needs the model's config.json: --config CONFIG_JSON")
-        args.flavor = args.config
-    elif not args.flavor:
-        raise CLIError(
-            "to-hf needs --flavor (e.g. --flavor 8B): head counts cannot be read "
-            "from the tensors' shapes"
-        )
+    if args.config and args.flavor:
+        raise CLIError("to-hf takes --flavor or --config (the model's config.json), not both")
+    if args.model == "hf" and not args.config:
+        raise CLIError("to-hf --model hf needs the model's config.json: --config CONFIG_JSON")
     result = to_hf(
         ckpt,
         out,
         args.model,
-        args.flavor,
+        args.config or args.flavor,
         tokenizer=args.tokenizer,
         dtype=parse_dtype(args.dtype),
         max_shard_size=args.max_shard_size,
@@ -199,9 +194,8 @@ def _add_model(p: argparse.ArgumentParser, flavor_help: str) -> None:
         "--model_name",
         "--model-name",
         dest="model",
-        default="llama3",
         choices=known_families(),
-        help="model family (default llama3)",
+        help="model family (default: inferred from config.json or the parameter names)",
     )
     p.add_argument("--flavor", help=flavor_help)
 
@@ -270,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p, "model flavor, e.g. debugmodel or 8B")
     p.add_argument(
         "--config",
-        help="with --model hf: the transformers model's config.json, written with the export",
+        help="the model's config.json (its args, instead of --flavor; with --model hf, "
+        "written with the export)",
     )
     p.add_argument(
         "--tokenizer",

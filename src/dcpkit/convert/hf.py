@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from dcpkit.convert.adapters import ConversionError, ModelAdapter, get_adapter
+from dcpkit.convert.adapters.base import infer_family
+from dcpkit.convert.adapters.hf import read_config_json
 from dcpkit.convert.common import DEFAULT_BUDGET, output, progress, row_blocks
 from dcpkit.convert.fp8 import dequantizing
 from dcpkit.convert.hf_files import copy_tokenizer, find_tokenizer, special_ids, write_json
@@ -82,8 +84,8 @@ class ConversionResult:
 def to_hf(
     ckpt: str | Path,
     out: str | Path,
-    family: str,
-    flavor: str | Any,
+    family: str | None = None,
+    flavor: str | Any = None,
     tokenizer: str | Path | None = None,
     dtype: torch.dtype | None = None,
     max_shard_size: str | int = "5GB",
@@ -94,49 +96,72 @@ def to_hf(
 ) -> ConversionResult:
     """Export the model of a DCP checkpoint (a folder or a URL) as a Hugging Face folder.
 
-    ``flavor`` is a flavor name or the model's args."""
+    ``family``: None infers it from the checkpoint's parameter names (said in the notes);
+    ``flavor`` is a flavor name or the model's args (for family ``hf``: its config.json)."""
     start = time.perf_counter()
-    adapter = get_adapter(family)
-    args, flavor = _resolve_flavor(adapter, flavor)
     with (
         open_checkpoint(ckpt, storage_options) as view,
         DCPCheckpoint(view.path, view.opener) as src,
-        output(out, is_dir=True, force=force, storage_options=storage_options) as pending,
     ):
-        tmp = pending.scratch()
-        result, plan, out_dtype = write_hf_folder(
-            src,
-            tmp,
-            adapter,
-            args,
-            flavor,
-            tokenizer,
-            dtype,
-            max_shard_size,
-            budget,
-            str(ckpt),
-            digests=pending.digests,
-        )
-        result.output = str(out)
-        manifest = build_manifest(
-            None,
-            1,
-            [MODEL],
-            pending.describe(pending.local_files()),
-            dtype=dtype_name(dtype or _dominant_dtype(out_dtype.values())),
-            source=f"{ckpt} ({family} {flavor})",
-        )
-        pending.write_manifest(manifest)
-        if verify:
-            result.max_tensor_diff = verify_hf_tensors(ToHF(src, plan), tmp, out_dtype, budget)
-            exported = out_dtype.values()
-            result.max_logits_diff = verify_logits(adapter, args, tmp, result, src, exported)
-        pending.publish()
+        inferred = None
+        if family is None:
+            family, why = infer_family(None, [k for k in src.tensors if src.is_model_key(k)])
+            inferred = f"model family {family}: {why} (--model to choose another)"
+        no_config = not isinstance(flavor, str | Path) or not Path(flavor).exists()
+        if family == "hf" and no_config and not hasattr(flavor, "config"):
+            raise ConversionError(
+                f"{ckpt}'s parameters carry transformers' names: export it with --model hf "
+                "--config CONFIG_JSON (the model's config.json)"
+            )
+        if flavor is None:
+            raise ConversionError(
+                "to-hf needs --flavor (e.g. --flavor 8B) or --config CONFIG_JSON: head counts "
+                "cannot be read from the tensors' shapes"
+            )
+        adapter = get_adapter(family)
+        args, flavor = _resolve_flavor(adapter, flavor)
+        with output(out, is_dir=True, force=force, storage_options=storage_options) as pending:
+            tmp = pending.scratch()
+            result, plan, out_dtype = write_hf_folder(
+                src,
+                tmp,
+                adapter,
+                args,
+                flavor,
+                tokenizer,
+                dtype,
+                max_shard_size,
+                budget,
+                str(ckpt),
+                digests=pending.digests,
+            )
+            result.output = str(out)
+            manifest = build_manifest(
+                None,
+                1,
+                [MODEL],
+                pending.describe(pending.local_files()),
+                dtype=dtype_name(dtype or _dominant_dtype(out_dtype.values())),
+                source=f"{ckpt} ({family} {flavor})",
+            )
+            pending.write_manifest(manifest)
+            if verify:
+                result.max_tensor_diff = verify_hf_tensors(ToHF(src, plan), tmp, out_dtype, budget)
+                exported = out_dtype.values()
+                result.max_logits_diff = verify_logits(adapter, args, tmp, result, src, exported)
+            pending.publish()
+    if inferred:
+        result.notes.insert(0, inferred)
     result.seconds = time.perf_counter() - start
     return result
 
 
 def _resolve_flavor(adapter: ModelAdapter, flavor: str | Any) -> tuple[Any, str]:
+    """Model args from a flavor name, a ``config.json`` (its path, or its folder), or args."""
+    if isinstance(flavor, str | Path) and adapter.family != "hf" and Path(flavor).exists():
+        config = read_config_json(flavor)
+        args = _plausible(adapter, config, str(flavor), None)
+        return args, adapter.flavor_name(args) or "custom (from config.json)"
     if isinstance(flavor, str):
         args = adapter.resolve_flavor(flavor)
         return args, (flavor if adapter.flavors else adapter.flavor_name(args) or flavor)
@@ -208,7 +233,7 @@ def _dominant_dtype(dtypes: Any) -> torch.dtype:
 def from_hf(
     hf_dir: str | Path,
     ckpt: str | Path,
-    family: str,
+    family: str | None = None,
     flavor: str | None = None,
     dtype: torch.dtype | None = None,
     verify: bool = False,
@@ -216,18 +241,24 @@ def from_hf(
     budget: int = DEFAULT_BUDGET,
     storage_options: dict[str, Any] | None = None,
 ) -> ConversionResult:
-    """Import a Hugging Face folder (a path or a URL) as a model-only DCP checkpoint."""
+    """Import a Hugging Face folder (a path or a URL) as a model-only DCP checkpoint.
+    ``family``: None infers it from the folder's ``config.json`` (said in the notes)."""
     start = time.perf_counter()
-    adapter = get_adapter(family)
     with open_checkpoint(hf_dir, storage_options) as view:
         src = SafetensorsFolder(view.path, view.opener)
         try:
+            inferred = None
+            if family is None:
+                family, why = infer_family(src.config())
+                inferred = f"model family {family}: {why} (--model to choose another)"
+            adapter = get_adapter(family)
             src = dequantizing(src, dtype, str(hf_dir))
             args, flavor = import_args(adapter, src.config(), flavor, str(hf_dir), src)
             shapes = {k: src.shape(k) for k in src.names()}
             plan = adapter.plan_from_hf(shapes, args, flavor, str(hf_dir))
             mapped = FromHF(src, plan)
             result = ConversionResult(str(ckpt), dropped=plan.dropped, flavor=flavor)
+            result.notes += [inferred] if inferred else []
             out_dtype = {c: dtype or mapped.dtype(c) for c in mapped.names()}
             total = sum(mapped.nbytes(c) for c in mapped.names())
             with (

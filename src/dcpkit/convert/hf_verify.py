@@ -131,7 +131,8 @@ def verify_logits(
             )
         result.max_implementation_diff = same_weights
     expected = set(ours.state_dict())
-    state = {k: source.read(k).float() for k in _model_keys(source) if k in expected}
+    canonical = {adapter.canonical(k): k for k in _model_keys(source)}  # any TorchTitan dialect
+    state = {c: source.read(k).float() for c, k in canonical.items() if c in expected}
     ours.load_state_dict(state, strict=True)
     with torch.no_grad():
         return _against_source(result, exported, ours(tokens), dtypes)

@@ -39,6 +39,26 @@ class HFConfig:
         return bool(self.config.get("tie_word_embeddings", False))
 
 
+def read_config_json(where: str | Path) -> dict[str, Any]:
+    """A ``config.json`` (its path, or the folder that holds it), bounded in size."""
+    path = Path(where)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConversionError(
+            f"the model's config.json is needed (--config FILE); {path} does not exist"
+        )
+    if path.stat().st_size > _CONFIG_MAX:
+        raise ConversionError(f"{path} is too large for a config.json")
+    try:
+        config = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} is not a JSON object")
+    return config
+
+
 class HFNamesAdapter(ModelAdapter):
     family = "hf"
     key_map: ClassVar[dict[str, str]] = {}
@@ -46,20 +66,7 @@ class HFNamesAdapter(ModelAdapter):
 
     def resolve_flavor(self, flavor: str) -> HFConfig:
         """``flavor``: the model's ``config.json`` (or the folder that holds it)."""
-        path = Path(flavor)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ConversionError(
-                f"--model hf needs the model's config.json (--config FILE); {path} does not exist"
-            )
-        if path.stat().st_size > _CONFIG_MAX:
-            raise ConversionError(f"{path} is too large for a config.json")
-        try:
-            config = json.loads(path.read_bytes())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ConversionError(f"{path} is not valid JSON: {e}") from None
-        return self.args_from_hf_config(config)
+        return self.args_from_hf_config(read_config_json(flavor))
 
     def flavor_name(self, args: Any) -> str | None:
         return str(args.config.get("model_type") or "hf") if isinstance(args, HFConfig) else None
