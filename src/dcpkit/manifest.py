@@ -127,11 +127,16 @@ def build_manifest(
     dtype: str | None = None,
     mesh: dict[str, Any] | None = None,
     source: str | None = None,
+    model: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``dcpkit.json`` written beside every checkpoint dcpkit publishes."""
+    """The ``dcpkit.json`` written beside every checkpoint dcpkit publishes. ``model``: the
+    model it holds, ``{"family": ..., "config": config.json}`` (an import's own, or one made from
+    the trained model's args), so that an export needs no flavor and gives that config back."""
     from dcpkit import __version__
 
+    extra = {"model": model} if model is not None else {}
     return {
+        **extra,
         "format": FORMAT,
         "step": step,
         "world_size": world_size,

@@ -18,11 +18,12 @@ import torch
 
 from dcpkit.convert.adapters import ConversionError, ModelAdapter, get_adapter
 from dcpkit.convert.adapters.base import infer_family
-from dcpkit.convert.adapters.hf import read_config_json
+from dcpkit.convert.adapters.hf import HFConfig, read_config_json
 from dcpkit.convert.common import DEFAULT_BUDGET, output, progress, row_blocks
 from dcpkit.convert.fp8 import dequantizing
 from dcpkit.convert.hf_files import copy_tokenizer, find_tokenizer, special_ids, write_json
 from dcpkit.convert.hf_verify import verify_dcp_tensors, verify_hf_tensors, verify_logits
+from dcpkit.convert.model_record import bounded_args, kept_config, model_record, recorded_model
 from dcpkit.convert.views import FromHF, ToHF
 from dcpkit.formats.blocks import recycled_blocks
 from dcpkit.formats.dcp import DCPCheckpoint, meta_tensor, write_dcp
@@ -103,12 +104,15 @@ def to_hf(
         open_checkpoint(ckpt, storage_options) as view,
         DCPCheckpoint(view.path, view.opener) as src,
     ):
-        inferred = None
+        inferred, recorded = None, recorded_model(view.path)
+        if recorded is not None and flavor is None and family in (None, recorded["family"]):
+            family, flavor = recorded["family"], recorded["config"]
+            inferred = f"model family {family} and its args: from the checkpoint's manifest"
         if family is None:
             family, why = infer_family(None, [k for k in src.tensors if src.is_model_key(k)])
             inferred = f"model family {family}: {why} (--model to choose another)"
         no_config = not isinstance(flavor, str | Path) or not Path(flavor).exists()
-        if family == "hf" and no_config and not hasattr(flavor, "config"):
+        if family == "hf" and no_config and not isinstance(flavor, dict | HFConfig):
             raise ConversionError(
                 f"{ckpt}'s parameters carry transformers' names: export it with --model hf "
                 "--config CONFIG_JSON (the model's config.json)"
@@ -119,7 +123,13 @@ def to_hf(
                 "cannot be read from the tensors' shapes"
             )
         adapter = get_adapter(family)
-        args, flavor = _resolve_flavor(adapter, flavor)
+        original = flavor if isinstance(flavor, dict) else None  # a config.json to give back
+        if original is not None:
+            keys = [k for k in src.tensors if src.is_model_key(k)]
+            args = bounded_args(adapter, original, len(keys), str(ckpt))
+            flavor = adapter.flavor_name(args) or "custom (from the recorded config.json)"
+        else:
+            args, flavor = _resolve_flavor(adapter, flavor)
         with output(out, is_dir=True, force=force, storage_options=storage_options) as pending:
             tmp = pending.scratch()
             result, plan, out_dtype = write_hf_folder(
@@ -134,6 +144,7 @@ def to_hf(
                 budget,
                 str(ckpt),
                 digests=pending.digests,
+                original_config=original,
             )
             result.output = str(out)
             manifest = build_manifest(
@@ -180,10 +191,13 @@ def write_hf_folder(
     budget: int = DEFAULT_BUDGET,
     name: str = "",
     digests: dict[str, tuple[str, int]] | None = None,
+    original_config: dict[str, Any] | None = None,
 ) -> tuple[ConversionResult, Any, dict[str, torch.dtype]]:
     """Write the model of ``src`` into the empty folder ``dest``: safetensors shards and their
     index, ``config.json``, ``generation_config.json`` and the tokenizer files. ``digests``
-    receives the shards' checksums, hashed as they are written."""
+    receives the shards' checksums, hashed as they are written. ``original_config``: the
+    ``config.json`` the model came with, written back changed only where the export must be
+    (its dtype; token ids of a tokenizer given), each change listed in the result's notes."""
     tok = find_tokenizer(Path(tokenizer), args.max_seq_len) if tokenizer else None
     keys = [k for k in src.tensors if src.is_model_key(k)]
     if not keys:
@@ -212,7 +226,11 @@ def write_hf_folder(
     result.tensors, result.bytes = len(plan.pairs), writer.total_size
     config_dtype = dtype or _dominant_dtype(out_dtype.values())
     bos, eos = special_ids(tok, args)
-    write_json(dest / "config.json", adapter.hf_config(args, config_dtype, bos, eos))
+    config = adapter.hf_config(args, config_dtype, bos, eos)
+    if original_config is not None:
+        config = kept_config(original_config, config_dtype, bos, eos, result.notes)
+        bos, eos = config.get("bos_token_id"), config.get("eos_token_id")
+    write_json(dest / "config.json", config)
     write_json(
         dest / "generation_config.json",
         {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos},
@@ -292,6 +310,7 @@ def from_hf(
                     pending.describe(pending.local_files()),
                     dtype=dtype_name(_dominant_dtype(out_dtype.values())),
                     source=f"{hf_dir} ({family} {flavor})",
+                    model=model_record(family, src.config()),
                 )
                 pending.write_manifest(manifest)
                 if verify:

@@ -56,6 +56,15 @@ class HFModel:
         if self.tokenizer and not Path(self.tokenizer).exists():
             raise ConversionError(f"the tokenizer {self.tokenizer} does not exist")
 
+    def record(self) -> dict[str, Any]:
+        """The model's family and a ``config.json`` of its args, for a checkpoint's manifest:
+        an export of the checkpoint then needs no flavor."""
+        adapter = get_adapter(self.family)
+        return {
+            "family": self.family,
+            "config": adapter.hf_config(self.args, torch.float32, None, None),
+        }
+
     def export(self, view: Any, out: Path) -> None:
         """Write the model of the DCP checkpoint ``view`` into the empty folder ``out``."""
         from dcpkit.convert.hf import write_hf_folder

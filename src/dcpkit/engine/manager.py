@@ -265,6 +265,7 @@ class CheckpointManager:
             mesh=mesh_info(self.model),
             retry_s=self.config.storage_retry_s,
             previous=self.last_saved_step,
+            model=self.hf_model.record() if hasattr(self.hf_model, "record") else None,
         )
 
     def wait(self) -> None:

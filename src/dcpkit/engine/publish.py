@@ -48,6 +48,8 @@ class StepInfo:
     """How long transient storage errors are retried, with backoff, before the save fails."""
     previous: int | None = None
     """The step saved before this one, to name in a failure when the store cannot be listed."""
+    model: dict[str, Any] | None = None
+    """The model's family and config.json, recorded in the manifest (see ``build_manifest``)."""
 
 
 @dataclass
@@ -155,6 +157,7 @@ def _write_once(
                 dtype=info.dtype,
                 mesh=info.mesh,
                 source=info.source,
+                model=info.model,
             )
             pending.write_manifest(manifest)
             pending.publish()

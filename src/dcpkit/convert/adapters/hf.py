@@ -5,15 +5,26 @@ with ``CheckpointManager``): keys are written as they are, with the model's own 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from dcpkit.convert.adapters.base import ConversionError, KeyPlan, ModelAdapter, rotary_buffer
+from dcpkit.convert.adapters.base import (
+    HF_MODEL_TYPES,
+    ConversionError,
+    KeyPlan,
+    ModelAdapter,
+    rotary_buffer,
+)
 
 _CONFIG_MAX = 16 << 20
+_TITAN_NAMED = re.compile(
+    r"^(model\.)?(tok_embeddings\.|output\.weight$|norm\.weight$|"
+    r"layers\.\d+\.(attention|feed_forward|moe|attention_norm|ffn_norm)\.)"
+)
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,15 @@ class HFNamesAdapter(ModelAdapter):
     def plan_to_hf(
         self, shapes: dict[str, tuple[int, ...]], args: Any, flavor: str, where: str
     ) -> KeyPlan:
+        titan = sorted(k for k in shapes if _TITAN_NAMED.match(k))
+        if titan:  # written as they are, transformers would ignore every one of them
+            family = HF_MODEL_TYPES.get(str(args.config.get("model_type")), "llama3")
+            raise ConversionError(
+                f"{where} holds TorchTitan's parameter names ({', '.join(titan[:3])}, ...), not "
+                "the transformers model's: --model hf writes names as they are, and "
+                "transformers would load none of them. Export it through its family's key "
+                f"map: --model {family}"
+            )
         pairs, dropped = [], []
         for key in shapes:
             if key == "lm_head.weight" and args.tie_word_embeddings:
