@@ -182,6 +182,24 @@ def test_missing_bucket_and_bad_url_name_the_url(s3, tmp_path):
         proc = cli(cmd, missing, *out)
         assert proc.returncode == 2, (cmd, proc.stderr)
         assert f"{missing} does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+def test_an_output_url_in_a_missing_bucket_names_the_url_and_bucket(s3, stopped_run, tmp_path):
+    ckpt = str(stopped_run / "checkpoint" / "step-10")
+    hf = tmp_path / "hf"
+    assert cli("to-hf", ckpt, str(hf), "--flavor", "debugmodel").returncode == 0
+    for cmd, src, out in (
+        ("to-torch", ckpt, "s3://nosuchbkt/m.pth"),
+        ("from-hf", str(hf), "s3://nosuchbkt/imp"),
+        ("to-hf", ckpt, "s3://nosuchbkt/hf"),
+    ):
+        extra = ["--flavor", "debugmodel"] if cmd == "to-hf" else []
+        proc = cli(cmd, src, out, *extra)
+        assert proc.returncode == 2, (cmd, proc.stderr)
+        assert f"{out}: the bucket 'nosuchbkt' does not exist" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_the_trainer_names_a_missing_bucket(s3, tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
@@ -227,3 +245,34 @@ def test_wrong_credentials_name_the_url(tmp_path):
     assert proc.returncode != 0
     assert "s3://any/run: the credentials were rejected" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_retention_on_s3_removes_a_step_completely_and_list_never_calls_it_abandoned(s3):
+    import torch
+
+    from dcpkit import CheckpointConfig, CheckpointManager
+    from dcpkit.layout import DELETING
+    from dcpkit.storage import open_store
+
+    url = f"s3://{BUCKET}/retention/checkpoint"
+    cfg = CheckpointConfig(enable=True, folder=url, interval=1, keep_latest_k=2)
+    with CheckpointManager(cfg, ".", torch.nn.Linear(4, 4)) as mgr:
+        for step in range(1, 5):
+            mgr.save(step)
+        mgr.wait()
+    s3.invalidate_cache()
+    left = sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/retention/checkpoint"))
+    assert [n for n in left if n.startswith("step-")] == ["step-3", "step-4"]
+    assert s3.find(f"{BUCKET}/retention/checkpoint/step-1", withdirs=True) == []
+    proc = cli("list", url)
+    assert proc.returncode == 0 and "incomplete" not in proc.stdout and "step-2" not in proc.stdout
+    # A deletion caught half-way (marked, uncommitted, its data still there): listed as such,
+    # never loaded, and removed by the next run that saves into the folder.
+    store = open_store(url)
+    store.write_bytes(f"step-3/{DELETING}", b"")
+    store.remove(f"step-3/{COMMIT_MARKER}")
+    lines = [x for x in cli("list", url).stdout.splitlines() if x.startswith("step-3")]
+    assert len(lines) == 1 and "being deleted by retention" in lines[0], lines
+    with CheckpointManager(cfg, ".", torch.nn.Linear(4, 4)) as mgr:
+        assert mgr.load() == 4
+    assert "step-3" not in store.list_names()

@@ -22,6 +22,8 @@ MANIFEST = "dcpkit.json"
 """dcpkit's manifest: files with sizes and checksums, step, world size, versions."""
 COMMIT_MARKER = ".dcpkit-committed"
 """Written last into a step folder on an object store: only then is it a checkpoint."""
+DELETING = ".dcpkit-deleting"
+"""Written first into a step folder on an object store that retention deletes."""
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
 HF_FILES = frozenset({HF_INDEX, HF_SINGLE})

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from dcpkit.progress import progress
-from dcpkit.storage import PendingStep, open_location
+from dcpkit.storage import PendingStep, StoreError, open_location
 
 __all__ = ["DEFAULT_BUDGET", "output", "progress", "row_blocks"]
 
@@ -44,6 +44,11 @@ def output(
     """A pending output for ``out`` (a path or a URL): the block writes into its ``scratch()``
     and publishes it; a failed or interrupted conversion leaves no partial output."""
     store, name = open_location(out, storage_options)
+    try:  # an output URL fails as clearly as an input: the URL given, the bucket, the cause
+        store.check_reachable()
+    except StoreError as e:
+        cause = str(e).removeprefix(f"{store.root}: ")
+        raise StoreError(f"{out}: {cause}") from None
     existing = store.stat(name)
     if existing is not None and not force and not (existing.is_dir and not store.list_names(name)):
         raise FileExistsError(

@@ -330,6 +330,10 @@ class CheckpointStore(ABC):
         steps = self.published_steps()
         return steps[-1] if steps else None
 
+    def incomplete_status_of(self, name: str) -> str:
+        """What ``dcpkit list`` says of the incomplete entry ``name``."""
+        return self.incomplete_status
+
     def incomplete_names(self) -> list[str]:
         return [n for n in self.list_names() if self.is_incomplete(n)]
 
@@ -364,7 +368,7 @@ class CheckpointStore(ABC):
             if self.is_incomplete(name):
                 digits = name.rsplit("-", 1)[-1].split(".")[0]
                 step = int(digits) if digits.isdigit() else None
-                status, published = self.incomplete_status, False
+                status, published = self.incomplete_status_of(name), False
             elif step is not None and self.is_published(name):
                 manifest, _ = self.read_manifest(name)
                 if manifest is None:

@@ -4,8 +4,8 @@ publish by commit marker.
 Rename is not atomic on an object store, so every rank's data, ``.metadata`` and the manifest are
 uploaded straight into ``step-N/``, and a commit marker, written last, makes it a checkpoint.
 Discovery sees only folders with the marker; folders without it are abandoned uploads, removed
-by the next run. Deletion removes the marker first, so a half-deleted checkpoint is never taken
-for a complete one.
+by the next run. Deletion marks the folder as being deleted, then removes the commit marker, so
+a half-deleted checkpoint is taken neither for a complete one nor for an abandoned upload.
 
 The tools read a remote checkpoint through a metadata-only local copy (``.metadata``, its index
 and small files whole, data files as sparse files of their true size, safetensors files as
@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 
 from dcpkit.layout import (
     COMMIT_MARKER,
+    DELETING,
     MANIFEST,
     METADATA,
     METADATA_INDEX,
@@ -47,6 +48,7 @@ from dcpkit.storage.base import (
     local_open,
     own_files_of,
 )
+from dcpkit.storage.messages import explain, scrub
 from dcpkit.storage.writer import CrashPointWriter
 
 _SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit
@@ -58,8 +60,9 @@ _STREAM_BLOCKS = 8  # blocks cached per open file: 32 MiB
 class FsspecStore(CheckpointStore):
     """An fsspec file system and a root URL on it."""
 
-    own_names = frozenset({COMMIT_MARKER})
+    own_names = frozenset({COMMIT_MARKER, DELETING})
     incomplete_status = "incomplete (upload never committed; removed by the next save)"
+    deleting_status = "being deleted by retention (if interrupted, removed by the next save)"
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         try:
@@ -86,7 +89,7 @@ class FsspecStore(CheckpointStore):
         return f"{url} ({self.root})" if url else self.root
 
     def _explain(self, url: str, e: Exception) -> str:
-        return scrub(_explain(url, e), self.storage_options)
+        return scrub(explain(url, e), self.storage_options)
 
     def _p(self, name: str = "") -> str:
         return f"{self.path}/{name}" if name else self.path
@@ -127,8 +130,14 @@ class FsspecStore(CheckpointStore):
             f.write(data)
 
     def remove(self, name: str) -> None:
+        path = self._p(name)
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self._p(name), recursive=True)
+            self.fs.rm(path, recursive=True)
+        self.fs.invalidate_cache(path)  # a listing must not see what is gone, nor a leftover
+        with contextlib.suppress(FileNotFoundError):  # key of the prefix itself ("name/")
+            for left in self.fs.find(path, withdirs=True):
+                self.fs.rm_file(left)
+        self.fs.invalidate_cache(path)
 
     def check_reachable(self) -> None:
         bucket = self.path.split("/", 1)[0]
@@ -163,13 +172,21 @@ class FsspecStore(CheckpointStore):
     def is_published(self, name: str) -> bool:
         return parse_step(name) is not None and COMMIT_MARKER in self.list_names(name)
 
-    def is_incomplete(self, name: str) -> bool:
+    def is_incomplete(self, name: str) -> bool:  # an empty prefix is no upload: nothing is left
         stepped = parse_step(name.removesuffix(STAGING_SUFFIX)) is not None
-        return stepped and COMMIT_MARKER not in self.list_names(name)
+        names = self.list_names(name) if stepped else []
+        return bool(names) and COMMIT_MARKER not in names
 
     def delete(self, name: str) -> None:
-        self.remove(f"{name}/{COMMIT_MARKER}")  # uncommit first: never half-deleted
+        # Marked first, so that a listing meanwhile tells a deletion from an abandoned upload;
+        # uncommitted next, so that no load ever picks a half-deleted step.
+        self.write_bytes(f"{name}/{DELETING}", b"")
+        self.remove(f"{name}/{COMMIT_MARKER}")
         self.remove(name)
+
+    def incomplete_status_of(self, name: str) -> str:
+        deleting = DELETING in self.list_names(name)
+        return self.deleting_status if deleting else self.incomplete_status
 
     def uncommitted_reason(self, name: str) -> str | None:
         names = self.list_names(name)
@@ -338,51 +355,3 @@ class FsspecPending(PendingStep):
         else:
             with self.store.view(self.name) as view:
                 yield view
-
-
-_SECRET_WORDS = ("key", "secret", "token", "password", "credential")
-_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
-
-
-def scrub(text: str, storage_options: dict[str, Any]) -> str:
-    """``text`` with every credential it could carry replaced: messages and logs never show
-    ``storage_options`` secrets or the AWS variables' values."""
-    secrets = [
-        v
-        for k, v in _flatten(storage_options)
-        if isinstance(v, str) and len(v) >= 4 and any(w in k.lower() for w in _SECRET_WORDS)
-    ]
-    secrets += [os.environ[k] for k in _SECRET_ENV if len(os.environ.get(k, "")) >= 4]
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
-
-
-def _flatten(options: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if not isinstance(options, dict):
-        return [(prefix, options)]
-    out = []
-    for k, v in options.items():
-        out += _flatten(v, f"{prefix}.{k}")
-    return out
-
-
-def _explain(url: str, e: Exception) -> str:
-    text = str(e) or type(e).__name__
-    lowered = text.lower()
-    rejected = (
-        "invalidaccesskeyid",
-        "signaturedoesnotmatch",
-        "access denied",
-        "accessdenied",
-        "forbidden",
-        "credentials",
-    )
-    if any(s in lowered for s in rejected):
-        return (
-            f"{url}: the credentials were rejected ({text}); check AWS_ACCESS_KEY_ID / "
-            "AWS_SECRET_ACCESS_KEY or [checkpoint] storage_options"
-        )
-    if "bucket" in lowered and ("not exist" in lowered or "nosuchbucket" in lowered):
-        return f"{url}: the bucket does not exist ({text}); create it or fix the URL"
-    return f"{url}: {type(e).__name__}: {text}"
