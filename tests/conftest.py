@@ -109,6 +109,18 @@ class Counter:
         self.step = state["step"]
 
 
+def hf_tensors(folder: Path) -> dict:
+    """Every tensor of a Hugging Face folder's safetensors files, by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118
+                out[k] = h.get_tensor(k)
+    return out
+
+
 def read_metrics(dump: Path) -> dict[int, dict]:
     """Per step, the last record written (a resumed run rewrites the steps after its checkpoint)."""
     return read_run(dump).steps

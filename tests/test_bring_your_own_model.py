@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from conftest import cli
+from conftest import cli, hf_tensors
 from dcpkit.convert.adapters import get_adapter
 
 CASES = {
@@ -48,15 +47,6 @@ def _save_pretrained(family: str, changes: dict, folder: Path, name: str) -> dic
     return json.loads((folder / "config.json").read_text())
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():  # noqa: SIM118
-                out[k] = h.get_tensor(k)
-    return out
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_what_from_hf_imports_to_hf_exports_from_the_command_line(name, tmp_path):
     family, changes = CASES[name]
@@ -68,7 +58,7 @@ def test_what_from_hf_imports_to_hf_exports_from_the_command_line(name, tmp_path
     proc = cli("to-hf", str(tmp_path / "dcp"), str(tmp_path / "back"), "--verify")
     assert proc.returncode == 0, proc.stderr
     assert "from the checkpoint's manifest" in proc.stdout
-    before, after = _tensors(tmp_path / "mine"), _tensors(tmp_path / "back")
+    before, after = hf_tensors(tmp_path / "mine"), hf_tensors(tmp_path / "back")
     assert before.keys() == after.keys()
     for key, tensor in before.items():
         assert after[key].dtype == tensor.dtype and torch.equal(after[key], tensor), key

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 
-from conftest import cli
+from conftest import cli, hf_tensors
 from dcpkit.convert.adapters import get_adapter
 from dcpkit.convert.hf import from_hf, to_hf
 from dcpkit.convert.torch_save import from_torch, to_torch
@@ -33,13 +32,7 @@ def _same_tensors(a: Path, b: Path, keys=None) -> int:
     return len(keys)
 
 
-def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():  # noqa: SIM118
-                out[k] = h.get_tensor(k)
-    return out
+_hf_tensors = hf_tensors
 
 
 def test_dcp_to_hf_to_dcp_is_bitwise_and_loads_in_transformers(stopped_run, tmp_path):
