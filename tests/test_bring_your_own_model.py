@@ -88,3 +88,21 @@ def test_a_family_mismatch_names_the_model_to_use(tmp_path, model_type, expected
     (folder / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     proc = cli("from-hf", str(folder), str(tmp_path / "dcp"), "--model", "llama3")
     assert proc.returncode != 0 and expected in proc.stderr, proc.stderr
+
+
+def test_to_hf_honours_config_for_every_family(stopped_run, tmp_path):
+    adapter = get_adapter("llama3")
+    config = adapter.hf_config(adapter.resolve_flavor("debugmodel"), torch.float32, None, None)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    ckpt = str(stopped_run / "checkpoint" / "step-10")
+    proc = cli("to-hf", ckpt, str(tmp_path / "out"), "--model", "llama3", "--config", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "flavor: debugmodel" in proc.stdout  # the args read from the config given
+    wrong = dict(config, num_attention_heads=8)  # shapes that do not fit the checkpoint
+    path.write_text(json.dumps(wrong))
+    proc = cli("to-hf", ckpt, str(tmp_path / "bad"), "--model", "llama3", "--config", str(path))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    both = ("--flavor", "debugmodel", "--config", str(path))
+    proc = cli("to-hf", ckpt, str(tmp_path / "both"), *both)
+    assert proc.returncode != 0 and "--flavor or --config" in proc.stderr
