@@ -2,8 +2,9 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+SITE   := site
 
-.PHONY: demo test lint fuzz venv clean report-check wheel-check
+.PHONY: demo test docs chromium lint fuzz venv clean report-check wheel-check
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -16,18 +17,30 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m dcpkit.demo
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d $(SITE)
 	$(PY) -m pytest -q
+
+# The docs site, built in strict mode: a broken link, a missing page or a bad docstring fails it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d $(SITE)
+	@echo "the site is in $(SITE)/ (open $(SITE)/index.html)"
+
+# Headless Chromium renders the docs site and the run report in the tests: installed from
+# Debian's packages when missing and allowed (root); otherwise those tests say they were skipped.
+chromium:
+	@command -v chromium >/dev/null || { test "$$(id -u)" = 0 && apt-get update -qq >/dev/null \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+		|| echo "note: no Chromium (not root): the rendering tests will be skipped" >&2
 
 fuzz: $(STAMP)
 	$(PY) benchmarks/fuzz.py --mutants 5000 --seed 1
 
 # The report rendered by a real headless Chromium (Debian's package; installed here when missing).
-report-check: $(STAMP)
-	@command -v chromium >/dev/null || { test "$$(id -u)" = 0 && apt-get install -y -q chromium >/dev/null; } \
-		|| { echo "report-check needs Chromium: apt-get install chromium" >&2; exit 1; }
-	$(PY) -m pytest -q tests/test_ecosystem.py
+report-check: $(STAMP) chromium
+	@command -v chromium >/dev/null || { echo "report-check needs Chromium: apt-get install chromium" >&2; exit 1; }
+	$(PY) -m pytest -q tests/test_ecosystem.py tests/test_docs.py
 
 # A wheel from a clean clone, installed into a fresh venv, run from outside the repository.
 wheel-check: $(STAMP)
@@ -38,4 +51,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache
+	rm -rf $(VENV) demo_out .pytest_cache $(SITE)

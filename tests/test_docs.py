@@ -1,0 +1,139 @@
+"""The README and the docs site cannot drift from the code: the README stays short with the two
+commands first, every Python block is an example that runs (or a sketch that says so with
+``...``), the site builds in strict mode, and headless Chromium renders its pages with every
+page in the navigation."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, cli, torchrun_env
+
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+SNIPPET = re.compile(r'^--8<-- "(examples/[\w./-]+\.py)"$')
+
+
+def _blocks(path: Path, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", path.read_text(), re.S | re.M)
+
+
+def _body(example: Path) -> str:
+    """An example without its module docstring: what a page shows of it."""
+    text = example.read_text()
+    return text.split('"""\n\n', 1)[1] if text.startswith('"""') else text
+
+
+def test_the_readme_is_short_and_starts_with_the_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    first = _blocks(ROOT / "README.md", "bash")[0]
+    assert first.startswith("make demo") and "\nmake test" in first
+    for page in re.findall(r"\]\(docs/([\w-]+\.md)", readme):
+        assert (ROOT / "docs" / page).is_file(), page
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", readme))
+    assert linked == {p.name for p in DOCS}  # a link to every page
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *DOCS], ids=lambda p: p.name)
+def test_every_python_block_is_an_example_or_a_sketch(page):
+    examples = {_body(e): e for e in EXAMPLES}
+    for block in _blocks(page, "python"):
+        include = SNIPPET.match(block.strip())
+        if include:
+            assert (ROOT / include.group(1)).is_file(), include.group(1)
+        elif "..." not in block:  # runnable as shown: then it is an example, word for word
+            assert block in examples, f"{page.name}: a runnable block that is no example"
+
+
+def test_every_example_is_shown_somewhere():
+    shown = "".join(p.read_text() for p in [ROOT / "README.md", *DOCS])
+    for example in EXAMPLES:
+        rel = example.relative_to(ROOT).as_posix()
+        assert f'--8<-- "{rel}"' in shown or _body(example) in shown, rel
+
+
+def _run_example(cwd: Path, name: str) -> dict[int, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(ROOT / "examples" / name)],
+        cwd=cwd, env=torchrun_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {int(m[0]): m[1] for m in re.findall(r"^step (\d+) loss (\S+)$", proc.stdout, re.M)}
+
+
+@pytest.mark.dist
+def test_the_fsdp2_example_runs_and_resumes_bitwise(tmp_path):
+    full = _run_example(tmp_path, "fsdp2_loop.py")
+    assert sorted(full) == list(range(1, 31))
+    folder = tmp_path / "outputs" / "fsdp2" / "checkpoint"
+    assert (folder / "step-30").is_dir()
+    assert _run_example(tmp_path, "fsdp2_loop.py") == {}  # finished: it resumes after step 30
+    for step in (20, 30):  # as if it had been stopped after step 10
+        shutil.rmtree(folder / f"step-{step}")
+    again = _run_example(tmp_path, "fsdp2_loop.py")
+    assert sorted(again) == list(range(11, 31))
+    assert all(again[s] == full[s] for s in again), "the resumed losses differ"
+    assert cli("verify", str(folder / "step-30")).returncode == 0
+
+
+def _build(tmp_path: Path) -> Path:
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "-d", str(site)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**torchrun_env(), "NO_MKDOCS_2_WARNING": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WARNING" not in proc.stderr, proc.stderr[-3000:]
+    return site
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
+        if path := shutil.which(name):
+            return path
+    return None
+
+
+def _navigation(site: Path) -> list[str]:
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    return [next(iter(entry)) for entry in nav]
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium here (make test installs it as root)")
+@pytest.mark.parametrize("page", ["", "library/"], ids=["home", "library"])
+def test_the_site_renders_in_headless_chromium_with_every_page_in_its_navigation(tmp_path, page):
+    import numpy as np
+    from PIL import Image
+
+    site = _build(tmp_path)
+    url = (site / page / "index.html").as_uri()
+    base = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    shot = tmp_path / "shot.png"
+    proc = subprocess.run(
+        [*base, "--window-size=1400,1000", f"--screenshot={shot}", url],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert shot.is_file(), proc.stderr[-2000:]
+    pixels = np.asarray(Image.open(shot).convert("L"), dtype=np.float32)
+    dark = (pixels < 100).mean()  # text and the header bar are on screen, not a blank page
+    assert 0.005 < dark < 0.6 and pixels.std() > 20, (dark, pixels.std())
+    dom = subprocess.run(
+        [*base, "--dump-dom", url], capture_output=True, text=True, timeout=120
+    ).stdout
+    titles = re.findall(r'<a href="[^"]*" class="md-nav__link[^"]*">\s*<span class="md-ellipsis">'
+                        r"\s*(.*?)\s*</span>", dom, re.S)  # fmt: skip
+    for title in _navigation(site):
+        assert title in titles, (title, titles)
+    heading = "dcpkit" if page == "" else "The library"
+    assert f">{heading}" in dom
