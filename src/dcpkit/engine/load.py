@@ -64,8 +64,9 @@ def check_reachable(store: Any) -> None:
         raise CheckpointError(f"[checkpoint] folder {error}")
 
 
-def plan_load(config: Any, store: Any) -> LoadPlan:
-    """What to load (rank 0 decides; the plan is broadcast)."""
+def plan_load(config: Any, store: Any, states: Any = ()) -> LoadPlan:
+    """What to load (rank 0 decides; the plan is broadcast). ``states``: the names of the state
+    groups the run holds besides the model (a model-only step would leave them fresh)."""
     choice = choose_step(store.published_steps(), config.load_step, store.root)
     if choice.error:
         return LoadPlan.failed(choice.error)
@@ -75,7 +76,8 @@ def plan_load(config: Any, store: Any) -> LoadPlan:
             reason += " (initial_load_path is ignored: the checkpoint folder is not empty)"
         name = step_name(choice.step)
         model_only = is_seed_step(choice.step) or config.load_model_only
-        if not model_only and _holds_model_only(store, name):
+        others = set(states) - set(config.exclude_from_loading)
+        if not model_only and others and _holds_model_only(store, name):
             return LoadPlan.failed(_finished_run_message(store, choice.step, config), True)
         return LoadPlan(store, name, choice.step, model_only, reason, own=True)
     if config.initial_load_path:

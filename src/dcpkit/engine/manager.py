@@ -110,7 +110,7 @@ class CheckpointManager:
         when there is nothing to load and training starts fresh."""
         if not self.config.enable:
             return None
-        plan = load_plan.plan_load(self.config, self.store) if self.rank == 0 else None
+        plan = load_plan.plan_load(self.config, self.store, self.states) if self.rank == 0 else None
         plan = dist.broadcast_object(plan)
         plan.raise_if_failed()
         if self._memory is not None and self.config.load_step == -1:

@@ -89,7 +89,7 @@ def restore(
     location = store.location(name)
     names = set(store.list_names(name))
     if names & HF_FILES and METADATA not in names:
-        wanted = [g for g in states if g not in set(excluded)] + ([RNG] if rng else [])
+        wanted = [g for g in states if g not in set(excluded)]
         if wanted and not model_only:  # never a resume that silently restores the model alone
             raise CheckpointError(_missing_message(location, wanted, {"model_only": True}, set()))
         load_hf(store, name, model, hf)

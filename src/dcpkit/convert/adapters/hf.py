@@ -22,7 +22,7 @@ from dcpkit.convert.adapters.base import (
 
 _CONFIG_MAX = 16 << 20
 _TITAN_NAMED = re.compile(
-    r"^(model\.)?(tok_embeddings\.|output\.weight$|norm\.weight$|"
+    r"^(model\.)?(tok_embeddings\.|output\.weight$|"
     r"layers\.\d+\.(attention|feed_forward|moe|attention_norm|ffn_norm)\.)"
 )
 
