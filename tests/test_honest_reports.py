@@ -109,3 +109,17 @@ def test_to_hf_verify_reports_the_true_difference_from_the_source(stopped_run, t
     assert abs(reported - true) <= 1e-4 + 0.02 * true
     assert tolerance > reported
     assert "runs the exported weights as dcpkit's model does" in proc.stdout
+
+
+def test_the_export_carries_crcs_even_while_torch_has_them_off(stopped_run, tmp_path):
+    """A DCP save elsewhere in the process turns torch's CRC-32 off (it is checksummed by the
+    manifest instead): an export made meanwhile still stores every record's CRC-32."""
+    out = tmp_path / "m.pth"
+    torch.serialization.set_crc32_options(False)
+    try:
+        to_torch(_ckpt(stopped_run), out, model_only=True)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    with zipfile.ZipFile(out) as archive:
+        assert archive.testzip() is None
+        assert all(i.CRC != 0 for i in archive.infolist() if i.file_size)

@@ -123,7 +123,9 @@ def _crc_of(f: Any, offset: int, length: int) -> int:
 
 def _patch_crcs(f: Any, crcs: dict[str, int]) -> None:
     """Write ``crcs`` (record name -> CRC-32) into the local header and the central directory
-    entry of each record."""
+    entry of each record; the other records' (the pickle, the version, ...) are computed from
+    their bytes: ``torch.save`` leaves them out while a save elsewhere in the process has
+    turned torch's CRC-32 off."""
     f.seek(0)
     archive = zipfile.ZipFile(f)
     pack = struct.Struct("<L").pack
@@ -132,12 +134,16 @@ def _patch_crcs(f: Any, crcs: dict[str, int]) -> None:
         f.seek(at)
         entry = _CENTRAL.unpack(f.read(_CENTRAL.size))
         name_len, extra_len, comment_len = entry[10], entry[11], entry[12]
-        if info.filename in crcs:
-            crc = pack(crcs[info.filename])
-            f.seek(at + _CENTRAL_CRC)
-            f.write(crc)
-            f.seek(info.header_offset + _LOCAL_CRC)
-            f.write(crc)
+        crc = crcs.get(info.filename)
+        if crc is None:
+            f.seek(info.header_offset)
+            local = f.read(30)
+            start = info.header_offset + 30 + sum(struct.unpack("<HH", local[26:30]))
+            crc = _crc_of(f, start, info.file_size)
+        f.seek(at + _CENTRAL_CRC)
+        f.write(pack(crc))
+        f.seek(info.header_offset + _LOCAL_CRC)
+        f.write(pack(crc))
         at += _CENTRAL.size + name_len + extra_len + comment_len
     missing = set(crcs) - {i.filename for i in archive.infolist()}
     if missing:
