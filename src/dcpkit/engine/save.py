@@ -24,6 +24,7 @@ from dcpkit.engine.states import ModelState, Stateful, capture_rng, rank_key
 from dcpkit.errors import CheckpointError
 from dcpkit.layout import DTYPES, MODEL, RNG, staging_name, step_name
 from dcpkit.manifest import build_manifest
+from dcpkit.storage import StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,13 @@ def check_config(config: Any, state_names: list[str], hf: Any, model: ModelState
 def check_replacement(store: Any, step: int, resumed_from: int | None) -> None:
     """Every rank: refuse to replace a published step that is not this run's to replace, and
     log each replacement that is (rank 0 lists the folder and decides)."""
-    decision = None
-    if dist.rank() == 0 and step in (published := store.published_steps()):
+    decision, published = None, []
+    if dist.rank() == 0:
+        try:
+            published = store.published_steps()
+        except StoreError:  # the store does not answer: the save's own retries deal with it
+            published = []
+    if step in published:
         decision = replacing_problem(step, published, resumed_from) or ""
         if not decision:
             logger.warning(
