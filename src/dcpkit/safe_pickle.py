@@ -12,10 +12,13 @@ with an error naming the file and the global it asked for.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import io
 import pickle
 import re
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -168,7 +171,7 @@ def load_value(data: bytes | BinaryIO, where: str) -> Any:
     """A non-tensor value DCP stored with ``torch.save``: plain Python values and tensors only."""
     stream = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
     try:
-        with torch.serialization.safe_globals(value_globals()):
+        with _values_allowed():
             return torch.load(stream, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpoint(
@@ -177,6 +180,36 @@ def load_value(data: bytes | BinaryIO, where: str) -> Any:
         ) from None
     except Exception as e:  # truncated or foreign bytes
         raise UnsafeCheckpoint(f"{where} cannot be read ({type(e).__name__}: {e})") from None
+
+
+_allowed_lock = threading.Lock()
+_allowed_users = 0
+_allowed_added: list[Any] = []
+
+
+@contextlib.contextmanager
+def _values_allowed() -> Iterator[None]:
+    """``value_globals()`` allowed in torch's weights-only loads while any thread of the process
+    loads a value: torch keeps its allow-list process-wide, and its own ``safe_globals`` context
+    removes them at its exit even while another reading thread still loads (seen as a NumPy
+    array refused now and then in a load with several reading threads). Globals the process had
+    allowed already stay as they were."""
+    global _allowed_users, _allowed_added
+    with _allowed_lock:
+        if _allowed_users == 0:
+            present = set(map(id, torch.serialization.get_safe_globals()))
+            _allowed_added = [g for g in value_globals() if id(g) not in present]
+            torch.serialization.add_safe_globals(_allowed_added)
+        _allowed_users += 1
+    try:
+        yield
+    finally:
+        with _allowed_lock:
+            _allowed_users -= 1
+            if _allowed_users == 0:
+                from torch._weights_only_unpickler import _remove_safe_globals
+
+                _remove_safe_globals(_allowed_added)
 
 
 @functools.cache
