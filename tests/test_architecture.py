@@ -66,6 +66,7 @@ FORBIDDEN = [
     ("dcpkit.convert", ("dcpkit.tools", "dcpkit.cli", "dcpkit.train", "dcpkit.demo")),
     ("dcpkit.tools", ("dcpkit.cli", "dcpkit.train", "dcpkit.demo")),
     ("dcpkit.models", ("dcpkit.engine", "dcpkit.storage", "dcpkit.convert", "dcpkit.tools")),
+    ("dcpkit.integrations", ("dcpkit.cli", "dcpkit.train", "dcpkit.demo", "dcpkit.tools")),
 ]
 
 

@@ -1,0 +1,166 @@
+"""Hugging Face Accelerate: ``AcceleratorCheckpoint``, called in place of
+``accelerator.save_state()`` / ``accelerator.load_state()``.
+
+Accelerate's own hooks (``register_save_state_pre_hook`` and its load twin) may edit what
+``save_state`` writes, not where or how: its files are written by Accelerate whatever the hook
+does. So dcpkit takes the two calls' place instead: the objects ``accelerator.prepare`` returned
+(model, optimizer, scheduler, dataloader) go to a ``CheckpointManager``, which saves them with
+everything it adds (checksums, atomic publish, retention, async saves, exact RNG, one writer per
+folder, the emergency save, resharding to any world size) and restores them. What Accelerate's
+``save_state`` keeps besides is kept too: every process's RNG (dcpkit's own), the dataloader's
+position (Accelerate's stateful dataloader: ``DataLoaderConfiguration(use_stateful_dataloader=
+True)``) and the accelerator's own step counter; objects given to
+``accelerator.register_for_checkpointing`` go in ``states``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import RandomSampler
+
+from dcpkit.config import CheckpointConfig
+from dcpkit.engine.manager import CheckpointManager
+
+_LOADER_SEED = 0x5EED
+
+
+class _AcceleratorStep:
+    """The accelerator's step counter (gradient accumulation), as ``save_state`` keeps it."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": int(self.accelerator.step)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accelerator.step = int(state["step"])
+
+
+def _inner(obj: Any, attribute: str) -> Any:
+    """The torch object under Accelerate's wrapper (``AcceleratedOptimizer.optimizer``,
+    ``AcceleratedScheduler.scheduler``), which DCP's state-dict functions need."""
+    return getattr(obj, attribute, obj) if obj is not None else None
+
+
+class _DataloaderState:
+    """An Accelerate dataloader's position: its stateful dataloader's state (batches yielded
+    this epoch) and, for Accelerate's seedable sampler, the sampler's epoch and seed, from
+    which the epoch's order follows (what ``save_state`` keeps in ``sampler.bin``, a pickle).
+
+    Every new iterator of a ``DataLoader`` draws a seed (its workers') from the loader's
+    ``generator``, or from torch's global RNG when it has none. A resumed run creates one
+    iterator more than an uninterrupted run does (mid-epoch, at the resume), so with the global
+    RNG every later random draw (dropout) would differ from the uninterrupted run's. A loader
+    without a generator of its own is given one here, seeded alike on every process, and its
+    state is kept with the position."""
+
+    def __init__(self, dataloader: Any) -> None:
+        self.dataloader = dataloader
+        self.loader = getattr(dataloader, "base_dataloader", dataloader)
+        if getattr(self.loader, "generator", None) is None and hasattr(self.loader, "generator"):
+            self.loader.generator = torch.Generator().manual_seed(_LOADER_SEED)
+        sampler = dataloader.get_sampler() if hasattr(dataloader, "get_sampler") else None
+        self.sampler = sampler if hasattr(sampler, "initial_seed") else None
+        if not hasattr(self.loader, "state_dict"):  # Accelerate's adapter has one regardless
+            raise TypeError(
+                f"the dataloader ({type(dataloader).__name__}) has no state_dict(): its position "
+                "would be lost on resume. Create the Accelerator with dataloader_config="
+                "DataLoaderConfiguration(use_stateful_dataloader=True) (accelerate.utils), or "
+                "pass dataloader=None and restore the position yourself"
+            )
+        if isinstance(sampler, RandomSampler) and self.sampler is None:
+            raise TypeError(
+                "the dataloader shuffles with a RandomSampler whose order cannot be restored: "
+                "a resumed epoch would draw other batches. Add use_seedable_sampler=True to "
+                "the Accelerator's DataLoaderConfiguration (each epoch's order then follows "
+                "from a seed and the epoch, which the checkpoint keeps)"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"loader": self.dataloader.state_dict()}
+        generator = getattr(self.loader, "generator", None)
+        if generator is not None:
+            state["generator"] = generator.get_state()
+        if self.sampler is not None:
+            state["sampler_epoch"] = int(self.sampler.epoch)
+            state["sampler_seed"] = int(self.sampler.initial_seed)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataloader.load_state_dict(state["loader"])
+        generator = getattr(self.loader, "generator", None)
+        if generator is not None and "generator" in state:
+            generator.set_state(state["generator"])
+        if self.sampler is not None:
+            if "sampler_epoch" not in state:
+                raise ValueError(
+                    "the checkpoint's dataloader state has no sampler epoch: it was saved "
+                    "without a seedable sampler, and this run shuffles with one"
+                )
+            self.sampler.set_epoch(int(state["sampler_epoch"]))
+            self.sampler.initial_seed = int(state["sampler_seed"])
+
+
+class AcceleratorCheckpoint:
+    """Checkpoints of an Accelerate training loop, written and restored by dcpkit.
+
+    ``base_folder`` holds ``config.folder`` (``checkpoint`` by default); ``config`` defaults to
+    saving every step it is asked to (``interval=1``) with the full state at the last step too.
+    ``hf_model`` (``dcpkit.HFModel("hf", model.config)`` for a ``transformers`` model) records
+    the model's config, so that ``dcpkit to-hf`` exports a checkpoint without being told it.
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        base_folder: str | Path,
+        model: Any,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+        config: CheckpointConfig | None = None,
+        states: dict[str, Any] | None = None,
+        hf_model: Any = None,
+    ) -> None:
+        self.accelerator = accelerator
+        if config is None:
+            config = CheckpointConfig(enable=True, interval=1, last_save_model_only=False)
+        named = {"accelerator": _AcceleratorStep(accelerator), **(states or {})}
+        self.manager = CheckpointManager(
+            config,
+            base_folder,
+            model,
+            _inner(optimizer, "optimizer"),
+            _inner(lr_scheduler, "scheduler"),
+            _DataloaderState(dataloader) if dataloader is not None else None,
+            states=named,
+            hf_model=hf_model,
+        )
+
+    def save_state(self, step: int, last_step: bool = False, force: bool = False) -> bool:
+        """``accelerator.save_state()``'s place: saves at ``step`` when ``config.interval``
+        says so, at the last step, or when forced. Returns whether it saved."""
+        return self.manager.save(step, last_step=last_step, force=force)
+
+    def load_state(self) -> int | None:
+        """``accelerator.load_state()``'s place: restores the latest published checkpoint (or
+        ``config.load_step``) and returns its step; None when there is none (a fresh start)."""
+        return self.manager.load()
+
+    def maybe_wait_for_staging(self) -> None:
+        """Call before ``optimizer.step()``: an async save's copy of the state must finish."""
+        self.manager.maybe_wait_for_staging()
+
+    def close(self) -> None:
+        """Drain pending saves (raising their errors) and release the folder."""
+        self.manager.close()
+
+    def __enter__(self) -> AcceleratorCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
