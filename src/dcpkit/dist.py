@@ -24,10 +24,26 @@ def io_threads() -> int:
 
 
 _group_seen = False
+_alone = threading.local()
+
+
+@contextlib.contextmanager
+def this_process_only() -> Iterator[None]:
+    """In this thread, work as if no process group existed: no collective runs and this
+    process is rank 0 of 1. For what one process of a group does on its own (a framework that
+    saves a replicated checkpoint from its rank 0 only, the others not taking part)."""
+    before = getattr(_alone, "on", False)
+    _alone.on = True
+    try:
+        yield
+    finally:
+        _alone.on = before
 
 
 def is_dist() -> bool:
     global _group_seen
+    if getattr(_alone, "on", False):
+        return False
     if dist.is_available() and dist.is_initialized():
         _group_seen = True
         return True

@@ -318,17 +318,24 @@ def _immutable(value: Any) -> bool:
     return type(value) is tuple and all(_immutable(v) for v in value)
 
 
-def safe_load_planner() -> Any:
-    """DCP's default load planner, reading non-tensor values with ``weights_only=True``.
+def safe_load_planner(everything: bool = False) -> Any:
+    """DCP's default load planner, reading non-tensor values with ``weights_only=True``;
+    ``everything``: DCP's planner that loads a checkpoint whole into an empty dict, built from
+    its ``.metadata`` (bound its tensors' sizes by the bytes stored first).
 
     An optimizer's state holds its hyperparameters once per parameter (lr, betas, eps, ... : a
     dozen values for each), as that many byte-identical ``torch.save`` archives: a value parsed
     once is reused for the same bytes when it is immutable (numbers, strings, tuples of them),
     so a load parses a few dozen archives instead of thousands."""
     from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner,
+        _EmptyStateDictLoadPlanner,
+    )
 
-    class SafeLoadPlanner(DefaultLoadPlanner):
+    base = _EmptyStateDictLoadPlanner if everything else DefaultLoadPlanner
+
+    class SafeLoadPlanner(base):  # type: ignore[misc,valid-type]
         def __init__(self) -> None:
             super().__init__()
             self.parsed: dict[bytes, Any] = {}

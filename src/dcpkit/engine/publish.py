@@ -50,6 +50,8 @@ class StepInfo:
     """The step saved before this one, to name in a failure when the store cannot be listed."""
     model: dict[str, Any] | None = None
     """The model's family and config.json, recorded in the manifest (see ``build_manifest``)."""
+    name: str | None = None
+    """The name it is published under; None: ``step-N`` (a framework names its own)."""
 
 
 @dataclass
@@ -111,7 +113,7 @@ def _write_once(
     delete_now: bool,
 ) -> Published:
     store = info.store
-    pending = store.begin(step_name(info.step), info.step, kill_pid)
+    pending = store.begin(info.name or step_name(info.step), info.step, kill_pid)
     rank = dist.rank()
     sized = state or getattr(planner, "buffers", {})  # what this rank writes, for messages
     failure = _attempt(lambda: pending.prepare(), info, sized) if rank == 0 else None

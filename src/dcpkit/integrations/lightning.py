@@ -1,0 +1,246 @@
+"""PyTorch Lightning: ``DcpCheckpointIO``, a ``CheckpointIO`` plugin, and ``RNGState``, a
+callback.
+
+    Trainer(strategy="ddp", plugins=[DcpCheckpointIO()], callbacks=[RNGState(), ...])
+
+Every checkpoint Lightning writes (``ModelCheckpoint``'s top-k and ``last``, an explicit
+``trainer.save_checkpoint``) is then a dcpkit checkpoint folder at the path Lightning chose
+(``epoch=1-step=24.ckpt/``): written beside it and published by a rename (a crash leaves the
+previous one whole), with a manifest of every file's size and checksum, verified before a load
+(``trainer.fit(model, ckpt_path="last")``), never unpickled (values are read with torch's
+weights-only loader). Wrap it in Lightning's ``AsyncCheckpointIO`` to write in the background.
+
+Layout: the LightningModule's parameters at the top level, named as in the module without
+``model_prefix`` (``"model."`` for a module that holds a ``transformers`` model as
+``self.model``: its keys are then the model's own, which ``dcpkit to-hf`` exports), and
+everything else Lightning keeps (optimizer and scheduler states, loops, callbacks, epoch,
+global step, hyperparameters) under ``lightning``.
+
+Lightning saves a replicated strategy's checkpoint (DDP, single device) from global rank 0
+only, the other processes not taking part: the checkpoint is written by that process alone
+and loads at any world size. Lightning itself does not checkpoint the RNG states; ``RNGState``
+keeps every process's (Python, NumPy, torch), so that dropout after a resume draws what it
+would have drawn. Lightning restores a checkpoint written at the end of an epoch exactly;
+one written mid-epoch restarts the epoch's data (Lightning's own behaviour, which it warns of).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io import CheckpointIO
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from dcpkit import dist
+from dcpkit.engine.load import verify_everywhere
+from dcpkit.engine.publish import StepInfo, write_and_publish
+from dcpkit.engine.restore import dcp_reader
+from dcpkit.engine.states import capture_rng, rank_key, restore_rng
+from dcpkit.engine.values import check_storable
+from dcpkit.errors import CheckpointError
+from dcpkit.layout import MODEL
+from dcpkit.safe_pickle import safe_load_planner
+from dcpkit.storage import open_location
+
+logger = logging.getLogger(__name__)
+
+LIGHTNING = "lightning"
+"""The top-level group holding everything of Lightning's checkpoint besides the parameters."""
+
+
+class DcpCheckpointIO(CheckpointIO):
+    """Lightning's checkpoints written, verified and read by dcpkit.
+
+    ``model_prefix``: stripped from the parameter names on save (and put back on load);
+    ``hf_model``: ``dcpkit.HFModel("hf", config)`` of a ``transformers`` model inside the
+    module, recorded in the manifest so that ``dcpkit to-hf`` exports without being told;
+    ``verify_on_load``: check every file's size and checksum before loading (the processes
+    split the work); ``storage_options``: fsspec options for ``s3://`` and other URLs.
+    """
+
+    def __init__(
+        self,
+        model_prefix: str = "",
+        hf_model: Any = None,
+        verify_on_load: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        retry_s: float = 120.0,
+    ) -> None:
+        self.model_prefix = model_prefix
+        self.hf_model = hf_model
+        self.verify_on_load = verify_on_load
+        self.storage_options = storage_options or {}
+        self.retry_s = retry_s
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> None:
+        store, name = open_location(path, self.storage_options)
+        state = _to_layout(checkpoint, self.model_prefix, store.location(name))
+        check_storable({LIGHTNING: state[LIGHTNING]})
+        info = StepInfo(
+            store=store,
+            step=int(checkpoint.get("global_step", 0)),
+            groups=[MODEL, LIGHTNING],
+            keep_latest_k=0,  # ModelCheckpoint chooses what to keep
+            retry_s=self.retry_s,
+            model=self.hf_model.record() if hasattr(self.hf_model, "record") else None,
+            name=name,
+        )
+        with dist.this_process_only():  # rank 0 alone, as Lightning calls it
+            write_and_publish(info, state)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        store, name = open_location(path, self.storage_options)
+        location = store.location(name)
+        if not store.holds_checkpoint(name):
+            raise CheckpointError(f"{location} is not a published checkpoint")
+        if self.verify_on_load:  # every process that loads: they split the checksums
+            problems = verify_everywhere(store, name, require_commit=False)
+            if problems:
+                raise CheckpointError(f"{location} failed verification: {'; '.join(problems)}")
+        start = time.perf_counter()
+        with dist.this_process_only(), dist.quiet_single_process():
+            state = _read_whole(store, name, location)
+        checkpoint = _from_layout(state, self.model_prefix, location)
+        if map_location is not None:
+            checkpoint = _move(checkpoint, map_location)
+        seconds = time.perf_counter() - start
+        logger.info("checkpoint: loaded %s in %.2fs", location, seconds)
+        return checkpoint
+
+    def remove_checkpoint(self, path: Any) -> None:
+        store, name = open_location(path, self.storage_options)
+        store.delete(name)
+
+
+class RNGState(Callback):
+    """Every process's RNG states (Python, NumPy, torch, CUDA) in the checkpoint, restored on
+    resume: Lightning keeps none, so dropout after a resume would differ without it."""
+
+    @property
+    def state_key(self) -> str:
+        return "dcpkit.RNGState"
+
+    def state_dict(self) -> dict[str, Any]:
+        everyone = dist.all_gather_object(capture_rng())  # every process calls this
+        return {rank_key(rank): state for rank, state in enumerate(everyone)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        key = rank_key(dist.rank())
+        if key not in state_dict:
+            raise CheckpointError(
+                f"the checkpoint holds the RNG states of {len(state_dict)} processes, not of "
+                f"process {dist.rank()}: it was saved at a smaller world size. Remove RNGState "
+                "from the callbacks to resume with fresh RNG streams"
+            )
+        restore_rng(state_dict[key], where="the checkpoint's RNGState")
+
+
+def _to_layout(checkpoint: dict[str, Any], prefix: str, location: str) -> dict[str, Any]:
+    params = checkpoint.get("state_dict", {})
+    outside = [k for k in params if not k.startswith(prefix)]
+    if outside:
+        raise CheckpointError(
+            f"{location}: parameters {', '.join(outside[:4])} do not start with model_prefix "
+            f"{prefix!r}: they would not be found again"
+        )
+    state: dict[str, Any] = {k.removeprefix(prefix): v for k, v in params.items()}
+    clash = [k for k in state if k == LIGHTNING or k.startswith(LIGHTNING + ".")]
+    if clash:
+        raise CheckpointError(f"{location}: parameter {clash[0]!r} takes a reserved name")
+    rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+    state[LIGHTNING] = _encode_keys(rest, location, LIGHTNING)
+    return state
+
+
+_INT_KEY = "int:"
+
+
+def _encode_keys(obj: Any, location: str, where: str) -> Any:
+    """DCP names every saved value by its path of dict keys, as text: an optimizer's state,
+    keyed by parameter index (0, 1, ...), would come back keyed "0", "1", ... and torch's
+    ``load_state_dict`` would keep it beside fresh state instead of restoring it. Integer keys
+    are saved as ``int:N`` and read back as N; other keys must be text."""
+    if isinstance(obj, dict):
+        out = {}
+        for key, value in obj.items():
+            if type(key) is int:
+                name = f"{_INT_KEY}{key}"
+            elif type(key) is str and not key.startswith(_INT_KEY):
+                name = key
+            else:
+                raise CheckpointError(
+                    f"{location}: {where} has the key {key!r}: keys must be text (not starting "
+                    f"with {_INT_KEY!r}) or integers"
+                )
+            out[name] = _encode_keys(value, location, f"{where}.{key}")
+        return out
+    if isinstance(obj, list | tuple):
+        items = [_encode_keys(v, location, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
+
+
+def _decode_keys(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {
+            (int(k[len(_INT_KEY) :]) if k.startswith(_INT_KEY) else k): _decode_keys(v)
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [_decode_keys(v) for v in obj]
+    return obj
+
+
+def _from_layout(state: dict[str, Any], prefix: str, location: str) -> dict[str, Any]:
+    if LIGHTNING not in state:
+        raise CheckpointError(f"{location} is not a Lightning checkpoint written by dcpkit")
+    checkpoint = _decode_keys(state.pop(LIGHTNING))
+    checkpoint["state_dict"] = {prefix + k: v for k, v in state.items()}
+    return checkpoint
+
+
+def _read_whole(store: Any, name: str, location: str) -> dict[str, Any]:
+    """Checkpoint ``name`` read whole into a new dict (a dict of dicts, as saved), its tensors
+    bound first by the bytes its data files really hold."""
+    import torch.distributed.checkpoint as dcp
+
+    reader, _ = dcp_reader(store, name)
+    metadata = reader.read_metadata()
+    stored = sum(store.size(f"{name}/{n}") for n in store.list_names(name) if n.endswith(".distcp"))
+    wanted = 0
+    for md in metadata.state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            wanted += md.properties.dtype.itemsize * _numel(md.size)
+    if wanted > stored:
+        raise CheckpointError(
+            f"{location}: its .metadata describes {wanted} bytes of tensors but its data files "
+            f"hold {stored}: damaged or not a checkpoint"
+        )
+    planner = safe_load_planner(everything=True)
+    dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+    return planner.original_state_dict  # dcp.load fills a dict of its own, the planner's
+
+
+def _numel(size: Any) -> int:
+    n = 1
+    for d in size:
+        n *= int(d)
+    return n
+
+
+def _move(obj: Any, where: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(where) if not callable(where) else where(obj, None)
+    if isinstance(obj, dict):
+        return {k: _move(v, where) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_move(v, where) for v in obj]
+    return obj

@@ -1,0 +1,184 @@
+"""dcpkit inside the frameworks' own training loops (the examples/ scripts, 2 processes, gloo):
+a clean stop and a SIGKILL in the middle of a save, each resumed, every later loss equal to an
+uninterrupted run's, bit for bit; what they wrote passes `dcpkit verify` and exports with
+`dcpkit to-hf` to logits equal to the trained model's."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, cli, torchrun_env
+
+pytestmark = pytest.mark.dist
+
+
+def run_example(
+    cwd: Path, name: str, *args: str, env: dict[str, str] | None = None, ok: bool = True
+) -> dict[int, str]:
+    """The example's printed losses by step (its `step N loss X` lines)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(ROOT / "examples" / name), *args],
+        cwd=cwd, env=torchrun_env(env), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    else:
+        assert proc.returncode != 0, "the run was to be killed"
+    return {int(m[0]): m[1] for m in re.findall(r"^step (\d+) loss (\S+)$", proc.stdout, re.M)}
+
+
+def assert_resumed(full: dict[int, str], resumed: dict[int, str], first: int) -> None:
+    assert sorted(resumed) == list(range(first, max(full) + 1)), sorted(resumed)
+    differ = [s for s in resumed if resumed[s] != full[s]]
+    assert differ == [], f"losses differ from the uninterrupted run's at steps {differ}"
+
+
+def logits_of(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+@pytest.fixture(scope="module")
+def accelerate_full(tmp_path_factory):
+    """An uninterrupted run of the Accelerate example: its losses and its folder."""
+    cwd = tmp_path_factory.mktemp("accelerate-full")
+    return run_example(cwd, "accelerate_loop.py"), cwd / "outputs" / "accelerate"
+
+
+def test_accelerate_stopped_and_resumed_equals_uninterrupted(accelerate_full, tmp_path):
+    full, _ = accelerate_full
+    assert sorted(full) == list(range(1, 17))
+    stopped = run_example(tmp_path, "accelerate_loop.py", "10")  # a clean stop, mid-epoch
+    assert sorted(stopped) == list(range(1, 11))
+    assert all(stopped[s] == full[s] for s in stopped)
+    folder = tmp_path / "outputs" / "accelerate" / "checkpoint"
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-10", "step-4", "step-8"]
+    assert_resumed(full, run_example(tmp_path, "accelerate_loop.py"), 11)
+
+
+def test_accelerate_killed_mid_save_resumes_from_the_last_published_step(accelerate_full, tmp_path):
+    full, _ = accelerate_full
+    run_example(tmp_path, "accelerate_loop.py", env={"DCPKIT_FAILPOINT": "mid_write:8"}, ok=False)
+    folder = tmp_path / "outputs" / "accelerate" / "checkpoint"
+    assert [p.name for p in folder.glob("step-*")] == ["step-4"]  # step 8 never published
+    assert_resumed(full, run_example(tmp_path, "accelerate_loop.py"), 5)
+
+
+def test_accelerate_checkpoint_verifies_and_exports_the_trained_model(accelerate_full, tmp_path):
+    _, out = accelerate_full
+    step = out / "checkpoint" / "step-16"
+    proc = cli("verify", str(step))
+    assert proc.returncode == 0 and "sizes and checksums of" in proc.stdout, proc.stdout
+    proc = cli("to-hf", str(step), str(tmp_path / "hf"), "--verify")  # the manifest says how
+    assert proc.returncode == 0, proc.stderr
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    exported, trained = logits_of(tmp_path / "hf", tokens), logits_of(out / "final", tokens)
+    assert torch.equal(exported, trained)  # Accelerate's own save_pretrained of the same model
+
+
+@pytest.mark.parametrize(
+    "stateful,match",
+    [(False, "use_stateful_dataloader=True"), (True, "use_seedable_sampler=True")],
+)
+def test_accelerate_refuses_a_dataloader_whose_position_would_be_lost(stateful, match, tmp_path):
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    from dcpkit.integrations.accelerate import AcceleratorCheckpoint
+
+    config = DataLoaderConfiguration(use_stateful_dataloader=stateful)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    model = torch.nn.Linear(2, 2)
+    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.zeros(8, 2), shuffle=True))
+    with pytest.raises(TypeError, match=match):
+        AcceleratorCheckpoint(accelerator, tmp_path, model, dataloader=loader)
+    assert not (tmp_path / "checkpoint").exists()  # refused before anything was written
+
+
+@pytest.fixture(scope="module")
+def lightning_full(tmp_path_factory):
+    """An uninterrupted run of the Lightning example: its losses and its folder."""
+    cwd = tmp_path_factory.mktemp("lightning-full")
+    return run_example(cwd, "lightning_loop.py"), cwd / "outputs" / "lightning"
+
+
+def test_lightning_stopped_and_resumed_equals_uninterrupted(lightning_full, tmp_path):
+    full, out = lightning_full
+    assert sorted(full) == list(range(1, 33))
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert len(names) == 3 and "last.ckpt" in names  # ModelCheckpoint's top 2, and last
+    stopped = run_example(tmp_path, "lightning_loop.py", "2")  # stopped after 2 of 4 epochs
+    assert sorted(stopped) == list(range(1, 17))
+    assert all(stopped[s] == full[s] for s in stopped)
+    assert_resumed(full, run_example(tmp_path, "lightning_loop.py"), 17)
+
+
+def test_lightning_killed_mid_save_resumes_from_the_last_published_checkpoint(
+    lightning_full, tmp_path
+):
+    full, _ = lightning_full
+    env = {"DCPKIT_FAILPOINT": "mid_write:16"}  # the first save of step 16 (end of epoch 2)
+    run_example(tmp_path, "lightning_loop.py", env=env, ok=False)
+    folder = tmp_path / "outputs" / "lightning" / "checkpoints"
+    published = sorted(p.name for p in folder.glob("[!.]*.ckpt"))
+    assert published == ["epoch=0-step=8.ckpt", "last.ckpt"]  # and the pending one, never read
+    assert_resumed(full, run_example(tmp_path, "lightning_loop.py"), 9)
+
+
+def test_lightning_checkpoint_verifies_and_exports_the_trained_model(lightning_full, tmp_path):
+    _, out = lightning_full
+    last = out / "checkpoints" / "last.ckpt"
+    proc = cli("verify", str(last))
+    assert proc.returncode == 0 and "sizes and checksums of" in proc.stdout, proc.stdout
+    proc = cli("to-hf", str(last), str(tmp_path / "hf"), "--verify")
+    assert proc.returncode == 0, proc.stderr
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(logits_of(tmp_path / "hf", tokens), logits_of(out / "final", tokens))
+
+
+def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
+    """In one process: what Lightning hands the plugin comes back equal (integer keys stay
+    integers); a damaged file is refused naming it; a parameter outside the prefix is refused."""
+    from dcpkit import CheckpointError
+    from dcpkit.integrations.lightning import DcpCheckpointIO
+
+    io = DcpCheckpointIO(model_prefix="model.")
+    checkpoint = {
+        "state_dict": {"model.w": torch.arange(6.0).reshape(2, 3)},
+        "optimizer_states": [
+            {
+                "state": {0: {"step": torch.tensor(3.0)}},
+                "param_groups": [{"lr": 0.1, "params": [0]}],
+            }
+        ],
+        "epoch": 2,
+        "global_step": 16,
+        "callbacks": {"ModelCheckpoint{'monitor': 'loss'}": {"best_model_path": "a/b.ckpt"}},
+    }
+    path = tmp_path / "epoch=2-step=16.ckpt"
+    io.save_checkpoint(checkpoint, path)
+    back = io.load_checkpoint(path)
+    assert back["optimizer_states"][0]["state"][0]["step"].item() == 3.0
+    assert back["optimizer_states"][0]["param_groups"][0]["params"] == [0]
+    assert torch.equal(back["state_dict"]["model.w"], checkpoint["state_dict"]["model.w"])
+    assert back["callbacks"] == checkpoint["callbacks"] and back["global_step"] == 16
+    data = next(path.glob("*.distcp"))
+    blob = bytearray(data.read_bytes())
+    blob[0] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=data.name):
+        io.load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="do not start with model_prefix"):
+        io.save_checkpoint({"state_dict": {"head.w": torch.zeros(1)}}, tmp_path / "x.ckpt")
+    io.remove_checkpoint(path)
+    assert not path.exists()
