@@ -6,6 +6,7 @@ uninterrupted run's, bit for bit; what they wrote passes `dcpkit verify` and exp
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -182,3 +183,97 @@ def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
         io.save_checkpoint({"state_dict": {"head.w": torch.zeros(1)}}, tmp_path / "x.ckpt")
     io.remove_checkpoint(path)
     assert not path.exists()
+
+
+def run_titan(cwd: Path, *args: str, env: dict[str, str] | None = None, ok: bool = True):
+    cache = {"HF_DATASETS_CACHE": str(cwd / "hf-datasets"), **(env or {})}
+    return run_example(cwd, "torchtitan_train.py", *args, env=cache, ok=ok)
+
+
+@pytest.fixture(scope="module")
+def titan_full(tmp_path_factory):
+    """An uninterrupted run of TorchTitan's Trainer checkpointing through dcpkit."""
+    cwd = tmp_path_factory.mktemp("titan-full")
+    return run_titan(cwd), cwd / "outputs" / "torchtitan"
+
+
+def test_torchtitan_trainer_resumes_bitwise_and_interchanges_with_its_own_manager(
+    titan_full, tmp_path
+):
+    full, _ = titan_full
+    assert sorted(full) == list(range(1, 9))
+    mine, theirs = tmp_path / "dcpkit", tmp_path / "torchtitan"
+    mine.mkdir()
+    stopped = run_titan(mine, "4")  # a clean stop after step 4's checkpoint
+    assert stopped == {s: full[s] for s in range(1, 5)}
+    folder = mine / "outputs" / "torchtitan" / "checkpoint"
+    assert (folder / "step-4" / "dcpkit.json").is_file()
+    shutil.copytree(mine, theirs)
+    assert_resumed(full, run_titan(mine), 5)  # dcpkit resumes dcpkit's
+    resumed = run_titan(theirs, env={"CHECKPOINTER": "torchtitan"})  # TorchTitan's, dcpkit's
+    assert_resumed(full, resumed, 5)
+    own = tmp_path / "own"
+    own.mkdir()
+    run_titan(own, "4", env={"CHECKPOINTER": "torchtitan"})
+    step4 = own / "outputs" / "torchtitan" / "checkpoint" / "step-4"
+    assert (step4 / ".metadata").is_file() and not (step4 / "dcpkit.json").exists()
+    assert_resumed(full, run_titan(own), 5)  # dcpkit resumes TorchTitan's own checkpoint
+
+
+def test_torchtitan_killed_mid_save_resumes_from_the_last_published_step(titan_full, tmp_path):
+    full, _ = titan_full
+    run_titan(tmp_path, env={"DCPKIT_FAILPOINT": "mid_write:6"}, ok=False)
+    folder = tmp_path / "outputs" / "torchtitan" / "checkpoint"
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-2", "step-4"]
+    assert_resumed(full, run_titan(tmp_path), 5)
+
+
+def test_torchtitan_checkpoint_verifies_and_exports_its_llama(titan_full, tmp_path):
+    from safetensors.torch import load_file
+
+    _, out = titan_full
+    step = out / "checkpoint" / "step-8"
+    proc = cli("verify", str(step))
+    assert proc.returncode == 0 and "sizes and checksums of" in proc.stdout, proc.stdout
+    hf = tmp_path / "hf"
+    proc = cli("to-hf", str(step), str(hf), "--model", "llama3", "--flavor", "debugmodel")
+    assert proc.returncode == 0, proc.stderr
+    expected = tmp_path / "logits.safetensors"  # TorchTitan's own model, loaded by DCP
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "torchtitan_logits.py"), str(step),
+         str(expected)],
+        check=True, env=torchrun_env(), capture_output=True, timeout=300,
+    )  # fmt: skip
+    want = load_file(expected)
+    got = logits_of(hf, want["tokens"])
+    assert (got - want["logits"]).abs().max().item() <= 1e-5
+
+
+def test_torchtitan_config_holds_every_option_of_both_with_their_defaults():
+    """TorchTitan's options, and dcpkit's under the same names and defaults as
+    `CheckpointConfig`: a TorchTitan user reads one set of option names."""
+    import dataclasses
+
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+
+    from dcpkit import CheckpointConfig
+    from dcpkit.integrations.torchtitan import DcpkitCheckpointManager, checkpoint_config
+
+    def defaults(cls):
+        out = {}
+        for f in dataclasses.fields(cls):
+            if f.init and not f.name.startswith("_"):
+                has = f.default is not dataclasses.MISSING
+                out[f.name] = f.default if has else f.default_factory()
+        return out
+
+    ours, base = defaults(DcpkitCheckpointManager.Config), defaults(BaseCheckpointManager.Config)
+    dcpkit = defaults(CheckpointConfig)
+    assert set(base) <= set(ours)
+    assert {k: v for k, v in ours.items() if k in dcpkit} == {
+        k: v for k, v in dcpkit.items() if k in ours
+    }
+    assert set(dcpkit) - set(ours) == set(), set(dcpkit) - set(ours)
+    config = DcpkitCheckpointManager.Config(enable=True, interval=7, verify_on_load=False)
+    converted = checkpoint_config(config)
+    assert (converted.interval, converted.verify_on_load) == (7, False)

@@ -94,21 +94,33 @@ class _Collector:
 
 
 class ModelState:
-    """Parameters of one or more model parts (pipeline stages), flattened into one dict."""
+    """Parameters of one or more model parts (pipeline stages), flattened into one dict.
 
-    def __init__(self, model: nn.Module | Sequence[nn.Module]) -> None:
-        self.parts: list[nn.Module] = as_list(model)
+    ``model`` may also be a framework's own model state: an object with ``state_dict()``,
+    ``load_state_dict()`` and its modules as ``model`` (TorchTitan's ``ModelWrapper``, whose
+    state dict its models' hooks shape, e.g. a fused QKV projection saved as ``wq wk wv``):
+    its state dict is then saved and restored as it makes it."""
+
+    def __init__(self, model: nn.Module | Sequence[nn.Module] | Stateful) -> None:
+        wrapper = not isinstance(model, nn.Module | list | tuple) and isinstance(model, Stateful)
+        self.wrapper: Stateful | None = model if wrapper else None  # type: ignore[assignment]
+        self.parts: list[nn.Module] = as_list(getattr(model, "model", None) if wrapper else model)
         if not self.parts:
             raise ValueError("CheckpointManager needs a model (an nn.Module or a list of them)")
         self._collectors = [_Collector(p, (), StateDictOptions()) for p in self.parts]
 
     def state_dict(self) -> dict[str, Any]:
+        if self.wrapper is not None:
+            return dict(self.wrapper.state_dict())
         merged: dict[str, Any] = {}
         for collector in self._collectors:
             merged.update(collector.state_dict())
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.wrapper is not None:
+            self.wrapper.load_state_dict(state_dict)
+            return
         for part in self.parts:
             set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
 
@@ -226,16 +238,31 @@ def check_same_on_every_rank(states: dict[str, Stateful], state: dict[str, Any])
 
 
 def differing_states(state: dict[str, Any], names: list[str]) -> dict[str, list[int]]:
-    """The states in ``names`` whose value is not the same on every rank: ``{name: ranks that
-    differ from rank 0}`` (DCP keeps one rank's copy of a key every rank saves)."""
-    mine = {name: fingerprint(state[name]) for name in names if name in state}
+    """The states in ``names`` whose value is not the same on every rank: ``{name: ranks whose
+    value of a key differs from the first holder's}`` (DCP keeps one rank's copy of a key
+    several ranks save)."""
+    mine = {name: _fingerprints(state[name]) for name in names if name in state}
     everyone = dist.all_gather_object(mine)
     out: dict[str, list[int]] = {}
     for name in mine:
-        ranks = [r for r, theirs in enumerate(everyone) if theirs.get(name) != everyone[0][name]]
+        first: dict[Any, str] = {}  # each key's value as the first rank that holds it has it
+        ranks = []
+        for r, theirs in enumerate(everyone):
+            prints = theirs.get(name, {})
+            if any(first.setdefault(key, fp) != fp for key, fp in prints.items()):
+                ranks.append(r)
         if ranks:
             out[name] = ranks
     return out
+
+
+def _fingerprints(value: Any) -> dict[Any, str]:
+    """A state's digests by its top-level key: a key only one rank holds (TorchTitan's
+    dataloader keeps each data-parallel rank's position under a key of its own) is written by
+    that rank and lost by none; a key several ranks hold must be the same on all of them."""
+    if isinstance(value, dict):
+        return {key: fingerprint(item) for key, item in value.items()}
+    return {None: fingerprint(value)}
 
 
 def capture_rng() -> dict[str, Any]:

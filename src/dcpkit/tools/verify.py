@@ -24,8 +24,7 @@ def report_lines(report: VerifyReport) -> list[str]:
     if report.ok:
         what = "sizes and checksums" if report.checksummed else "sizes"
         checked = (
-            report.summary
-            or f"{what} of {report.files_checked} file(s) match"
+            report.summary or f"{what} of {report.files_checked} file(s) match"
             if report.files_checked or report.summary
             else "no manifest, so no file sizes or checksums to compare"
         )
