@@ -106,38 +106,40 @@ def test_accelerate_refuses_a_dataloader_whose_position_would_be_lost(stateful, 
     assert not (tmp_path / "checkpoint").exists()  # refused before anything was written
 
 
-@pytest.fixture(scope="module")
-def lightning_full(tmp_path_factory):
-    """An uninterrupted run of the Lightning example: its losses and its folder."""
-    cwd = tmp_path_factory.mktemp("lightning-full")
-    return run_example(cwd, "lightning_loop.py"), cwd / "outputs" / "lightning"
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def lightning_full(request, tmp_path_factory):
+    """An uninterrupted run of the Lightning example (DDP, or FSDP2 under dcpkit's
+    ModelParallelStrategy): its strategy, losses and folder."""
+    cwd = tmp_path_factory.mktemp(f"lightning-{request.param}")
+    env = {"STRATEGY": request.param}
+    return env, run_example(cwd, "lightning_loop.py", env=env), cwd / "outputs" / "lightning"
 
 
 def test_lightning_stopped_and_resumed_equals_uninterrupted(lightning_full, tmp_path):
-    full, out = lightning_full
+    env, full, out = lightning_full
     assert sorted(full) == list(range(1, 33))
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert len(names) == 3 and "last.ckpt" in names  # ModelCheckpoint's top 2, and last
-    stopped = run_example(tmp_path, "lightning_loop.py", "2")  # stopped after 2 of 4 epochs
+    stopped = run_example(tmp_path, "lightning_loop.py", "2", env=env)  # after 2 of 4 epochs
     assert sorted(stopped) == list(range(1, 17))
     assert all(stopped[s] == full[s] for s in stopped)
-    assert_resumed(full, run_example(tmp_path, "lightning_loop.py"), 17)
+    assert_resumed(full, run_example(tmp_path, "lightning_loop.py", env=env), 17)
 
 
 def test_lightning_killed_mid_save_resumes_from_the_last_published_checkpoint(
     lightning_full, tmp_path
 ):
-    full, _ = lightning_full
-    env = {"DCPKIT_FAILPOINT": "mid_write:16"}  # the first save of step 16 (end of epoch 2)
-    run_example(tmp_path, "lightning_loop.py", env=env, ok=False)
+    env, full, _ = lightning_full
+    kill = {**env, "DCPKIT_FAILPOINT": "mid_write:16"}  # the first save of step 16 (epoch 2)
+    run_example(tmp_path, "lightning_loop.py", env=kill, ok=False)
     folder = tmp_path / "outputs" / "lightning" / "checkpoints"
     published = sorted(p.name for p in folder.glob("[!.]*.ckpt"))
     assert published == ["epoch=0-step=8.ckpt", "last.ckpt"]  # and the pending one, never read
-    assert_resumed(full, run_example(tmp_path, "lightning_loop.py"), 9)
+    assert_resumed(full, run_example(tmp_path, "lightning_loop.py", env=env), 9)
 
 
 def test_lightning_checkpoint_verifies_and_exports_the_trained_model(lightning_full, tmp_path):
-    _, out = lightning_full
+    _, _, out = lightning_full
     last = out / "checkpoints" / "last.ckpt"
     proc = cli("verify", str(last))
     assert proc.returncode == 0 and "sizes and checksums of" in proc.stdout, proc.stdout

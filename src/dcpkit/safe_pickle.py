@@ -318,10 +318,11 @@ def _immutable(value: Any) -> bool:
     return type(value) is tuple and all(_immutable(v) for v in value)
 
 
-def safe_load_planner(everything: bool = False) -> Any:
+def safe_load_planner(everything: bool = False, keys: set[str] | None = None) -> Any:
     """DCP's default load planner, reading non-tensor values with ``weights_only=True``;
     ``everything``: DCP's planner that loads a checkpoint whole into an empty dict, built from
-    its ``.metadata`` (bound its tensors' sizes by the bytes stored first).
+    its ``.metadata`` (bound its tensors' sizes by the bytes stored first); ``keys``: only
+    these top-level groups of it.
 
     An optimizer's state holds its hyperparameters once per parameter (lr, betas, eps, ... : a
     dozen values for each), as that many byte-identical ``torch.save`` archives: a value parsed
@@ -337,7 +338,7 @@ def safe_load_planner(everything: bool = False) -> Any:
 
     class SafeLoadPlanner(base):  # type: ignore[misc,valid-type]
         def __init__(self) -> None:
-            super().__init__()
+            super().__init__(**({"keys": keys} if everything else {}))
             self.parsed: dict[bytes, Any] = {}
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:

@@ -31,18 +31,27 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallelStrategy
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from dcpkit import dist
 from dcpkit.engine.load import verify_everywhere
 from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.restore import dcp_reader
-from dcpkit.engine.states import capture_rng, rank_key, restore_rng
+from dcpkit.engine.states import capture_rng, differing_states, rank_key, restore_rng
 from dcpkit.engine.values import check_storable
 from dcpkit.errors import CheckpointError
-from dcpkit.layout import MODEL
+from dcpkit.layout import MODEL, OPTIMIZER
 from dcpkit.safe_pickle import safe_load_planner
 from dcpkit.storage import open_location
 
@@ -79,24 +88,74 @@ class DcpCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
+        with dist.this_process_only():  # rank 0 alone, as Lightning calls it
+            self.write(checkpoint, path)
+
+    def write(self, checkpoint: dict[str, Any], path: Any) -> None:
+        """Write Lightning's ``checkpoint`` as a dcpkit checkpoint at ``path``: by this process
+        alone (``dist.this_process_only``), or by every process of the group together."""
         store, name = open_location(path, self.storage_options)
-        state = _to_layout(checkpoint, self.model_prefix, store.location(name))
+        location = store.location(name)
+        state = _to_layout(checkpoint, self.model_prefix, location)
         check_storable({LIGHTNING: state[LIGHTNING]})
+        differing = differing_states(state, [LIGHTNING])  # one copy is kept: the same everywhere
+        if differing:
+            ranks = ", ".join(map(str, differing[LIGHTNING]))
+            raise CheckpointError(
+                f"{location}: Lightning's checkpoint state (loops, callbacks, ...) differs "
+                f"between rank 0 and rank {ranks}: one copy is kept, the others' would be lost"
+            )
         info = StepInfo(
             store=store,
             step=int(checkpoint.get("global_step", 0)),
-            groups=[MODEL, LIGHTNING],
+            groups=[MODEL, OPTIMIZER, LIGHTNING],
             keep_latest_k=0,  # ModelCheckpoint chooses what to keep
             retry_s=self.retry_s,
             model=self.hf_model.record() if hasattr(self.hf_model, "record") else None,
             name=name,
         )
-        with dist.this_process_only():  # rank 0 alone, as Lightning calls it
-            write_and_publish(info, state)
+        write_and_publish(info, state)
 
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        store, name, location = self._verified(path)
+        start = time.perf_counter()
+        with dist.this_process_only(), dist.quiet_single_process():
+            state = _read_whole(store, name, location)
+        checkpoint = _from_layout(state, self.model_prefix, location)
+        if map_location is not None:
+            checkpoint = _move(checkpoint, map_location)
+        logger.info("checkpoint: loaded %s in %.2fs", location, time.perf_counter() - start)
+        return checkpoint
+
+    def load_sharded(self, path: Any, module: Any, optimizers: list[Any]) -> dict[str, Any]:
+        """Every process restores its shards of ``module`` and ``optimizers`` (DTensors, at any
+        world size) from ``path``; returns Lightning's checkpoint around them."""
+        store, name, location = self._verified(path)
+        prefix = self.model_prefix
+        model_sd = {
+            k.removeprefix(prefix): v
+            for k, v in get_model_state_dict(module).items()
+            if k.startswith(prefix)
+        }
+        optim_sds = [get_optimizer_state_dict(module, opt) for opt in optimizers]
+        template = {**model_sd, OPTIMIZER: optim_sds}
+        reader, _ = dcp_reader(store, name)
+        with dist.quiet_single_process():  # each process plans and reads its own shards
+            dcp.load(template, storage_reader=reader, planner=safe_load_planner(), no_dist=True)
+        options = StateDictOptions(strict=True)
+        set_model_state_dict(module, {prefix + k: v for k, v in model_sd.items()}, options=options)
+        for opt, sd in zip(optimizers, template[OPTIMIZER]):
+            set_optimizer_state_dict(module, opt, sd)
+        with dist.this_process_only(), dist.quiet_single_process():
+            rest = _read_whole(store, name, location, only=LIGHTNING)
+        checkpoint = _decode_keys(rest[LIGHTNING])
+        checkpoint["state_dict"] = {prefix + k: v for k, v in model_sd.items()}
+        checkpoint["optimizer_states"] = template[OPTIMIZER]
+        return checkpoint
+
+    def _verified(self, path: Any) -> tuple[Any, str, str]:
         store, name = open_location(path, self.storage_options)
         location = store.location(name)
         if not store.holds_checkpoint(name):
@@ -105,19 +164,45 @@ class DcpCheckpointIO(CheckpointIO):
             problems = verify_everywhere(store, name, require_commit=False)
             if problems:
                 raise CheckpointError(f"{location} failed verification: {'; '.join(problems)}")
-        start = time.perf_counter()
-        with dist.this_process_only(), dist.quiet_single_process():
-            state = _read_whole(store, name, location)
-        checkpoint = _from_layout(state, self.model_prefix, location)
-        if map_location is not None:
-            checkpoint = _move(checkpoint, map_location)
-        seconds = time.perf_counter() - start
-        logger.info("checkpoint: loaded %s in %.2fs", location, seconds)
-        return checkpoint
+        return store, name, location
 
     def remove_checkpoint(self, path: Any) -> None:
         store, name = open_location(path, self.storage_options)
         store.delete(name)
+
+
+class ModelParallelStrategy(_ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism, DTensors), whose
+    sharded checkpoints every process writes and reads through the ``DcpCheckpointIO`` given in
+    ``plugins`` (Lightning's own strategy writes them with DCP directly, bypassing any
+    ``CheckpointIO``)::
+
+        Trainer(strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                plugins=[DcpCheckpointIO(...)])
+    """
+
+    def _dcp_io(self) -> DcpCheckpointIO:
+        io = self.checkpoint_io
+        if not isinstance(io, DcpCheckpointIO):
+            raise TypeError(
+                "dcpkit's ModelParallelStrategy writes through DcpCheckpointIO: pass "
+                f"plugins=[DcpCheckpointIO(...)] to the Trainer (it has {type(io).__name__})"
+            )
+        return io
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        self._dcp_io().write(checkpoint, self.broadcast(str(filepath)))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        path = self.broadcast(str(checkpoint_path))
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        return self._dcp_io().load_sharded(path, self.model, optimizers)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self._dcp_io().remove_checkpoint(filepath)
 
 
 class RNGState(Callback):
@@ -152,10 +237,12 @@ def _to_layout(checkpoint: dict[str, Any], prefix: str, location: str) -> dict[s
             f"{prefix!r}: they would not be found again"
         )
     state: dict[str, Any] = {k.removeprefix(prefix): v for k, v in params.items()}
-    clash = [k for k in state if k == LIGHTNING or k.startswith(LIGHTNING + ".")]
+    clash = [k for k in state if k.split(".")[0] in (LIGHTNING, OPTIMIZER)]
     if clash:
         raise CheckpointError(f"{location}: parameter {clash[0]!r} takes a reserved name")
-    rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+    optimizers = checkpoint.get("optimizer_states", [])
+    state[OPTIMIZER] = _encode_keys(list(optimizers), location, OPTIMIZER)
+    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     state[LIGHTNING] = _encode_keys(rest, location, LIGHTNING)
     return state
 
@@ -203,15 +290,14 @@ def _from_layout(state: dict[str, Any], prefix: str, location: str) -> dict[str,
     if LIGHTNING not in state:
         raise CheckpointError(f"{location} is not a Lightning checkpoint written by dcpkit")
     checkpoint = _decode_keys(state.pop(LIGHTNING))
+    checkpoint["optimizer_states"] = _decode_keys(state.pop(OPTIMIZER, []))
     checkpoint["state_dict"] = {prefix + k: v for k, v in state.items()}
     return checkpoint
 
 
-def _read_whole(store: Any, name: str, location: str) -> dict[str, Any]:
-    """Checkpoint ``name`` read whole into a new dict (a dict of dicts, as saved), its tensors
-    bound first by the bytes its data files really hold."""
-    import torch.distributed.checkpoint as dcp
-
+def _read_whole(store: Any, name: str, location: str, only: str | None = None) -> dict[str, Any]:
+    """Checkpoint ``name`` read whole (or its group ``only``) into a new dict (a dict of dicts,
+    as saved), its tensors bound first by the bytes its data files really hold."""
     reader, _ = dcp_reader(store, name)
     metadata = reader.read_metadata()
     stored = sum(store.size(f"{name}/{n}") for n in store.list_names(name) if n.endswith(".distcp"))
@@ -224,7 +310,7 @@ def _read_whole(store: Any, name: str, location: str) -> dict[str, Any]:
             f"{location}: its .metadata describes {wanted} bytes of tensors but its data files "
             f"hold {stored}: damaged or not a checkpoint"
         )
-    planner = safe_load_planner(everything=True)
+    planner = safe_load_planner(everything=True, keys=None if only is None else {only})
     dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
     return planner.original_state_dict  # dcp.load fills a dict of its own, the planner's
 
