@@ -152,6 +152,8 @@ def test_lightning_checkpoint_verifies_and_exports_the_trained_model(lightning_f
 def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
     """In one process: what Lightning hands the plugin comes back equal (integer keys stay
     integers); a damaged file is refused naming it; a parameter outside the prefix is refused."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
     from dcpkit import CheckpointError
     from dcpkit.integrations.lightning import DcpCheckpointIO
 
@@ -185,6 +187,12 @@ def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
         io.save_checkpoint({"state_dict": {"head.w": torch.zeros(1)}}, tmp_path / "x.ckpt")
     io.remove_checkpoint(path)
     assert not path.exists()
+    background = AsyncCheckpointIO(io)  # Lightning's own background writer around the plugin
+    background.save_checkpoint(checkpoint, tmp_path / "async.ckpt")
+    checkpoint["state_dict"]["model.w"].add_(1)  # the state moves on while it is written
+    background.teardown()
+    back = io.load_checkpoint(tmp_path / "async.ckpt")
+    assert torch.equal(back["state_dict"]["model.w"], torch.arange(6.0).reshape(2, 3))
 
 
 def run_titan(cwd: Path, *args: str, env: dict[str, str] | None = None, ok: bool = True):
