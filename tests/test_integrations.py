@@ -143,6 +143,8 @@ def test_lightning_checkpoint_verifies_and_exports_the_trained_model(lightning_f
     last = out / "checkpoints" / "last.ckpt"
     proc = cli("verify", str(last))
     assert proc.returncode == 0 and "sizes and checksums of" in proc.stdout, proc.stdout
+    proc = cli("inspect", str(last))
+    assert proc.returncode == 0 and "model.layers.0.self_attn.q_proj.weight" in proc.stdout
     proc = cli("to-hf", str(last), str(tmp_path / "hf"), "--verify")
     assert proc.returncode == 0, proc.stderr
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))

@@ -13,7 +13,7 @@ import uuid
 import pytest
 import torch
 
-from conftest import BUCKET
+from conftest import BUCKET, use_endpoint
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager
 from dcpkit.storage import open_store
 
@@ -85,14 +85,22 @@ class Proxy:
         self.down()
 
 
-@pytest.fixture
-def proxy(s3):
+@pytest.fixture(params=["moto", "seaweedfs"])
+def proxy(request, monkeypatch):
+    """The proxy in front of S3 on moto (a mock) or on SeaweedFS (a real object store)."""
     import os
 
+    import s3fs
+
+    if request.param == "moto":
+        request.getfixturevalue("s3")
+    else:
+        use_endpoint(monkeypatch, request.getfixturevalue("seaweedfs"))
     port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
     p = Proxy(port)
     yield p
     p.close()
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture

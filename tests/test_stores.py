@@ -4,6 +4,9 @@ before anything else uses it."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import uuid
 from dataclasses import replace
@@ -12,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import BUCKET
+from conftest import BUCKET, ROOT, torchrun_env, use_endpoint
 from dcpkit import CheckpointConfig, CheckpointManager, HFModel
 from dcpkit.convert.torch_save import from_torch, to_torch
 from dcpkit.integrity import verify_checkpoint
@@ -23,18 +26,26 @@ from dcpkit.storage import open_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-STORES = ["local", "memory", "s3"]
+STORES = ["local", "memory", "s3", "seaweedfs"]
 
 
 @pytest.fixture(params=STORES)
-def root(request, tmp_path) -> str:
-    """A fresh checkpoint folder on each kind of store."""
+def root(request, tmp_path, monkeypatch):
+    """A fresh checkpoint folder on each kind of store: S3 on moto (a mock server) and on
+    SeaweedFS (a real object store), both on loopback."""
     if request.param == "local":
-        return str(tmp_path / "checkpoint")
-    if request.param == "memory":
-        return f"memory://dcpkit-{uuid.uuid4().hex}/checkpoint"
-    request.getfixturevalue("s3")
-    return f"s3://{BUCKET}/conformance-{uuid.uuid4().hex}/checkpoint"
+        yield str(tmp_path / "checkpoint")
+    elif request.param == "memory":
+        yield f"memory://dcpkit-{uuid.uuid4().hex}/checkpoint"
+    elif request.param == "s3":
+        request.getfixturevalue("s3")
+        yield f"s3://{BUCKET}/conformance-{uuid.uuid4().hex}/checkpoint"
+    else:
+        import s3fs
+
+        use_endpoint(monkeypatch, request.getfixturevalue("seaweedfs"))
+        yield f"s3://{BUCKET}/conformance-{uuid.uuid4().hex}/checkpoint"
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -104,6 +115,29 @@ def test_crash_before_commit_is_never_loaded_and_is_cleaned(root, tmp_path):
     assert mgr.load() == 1
     mgr.save(2)
     mgr.close()
+    assert store.published_steps() == [1, 2]
+
+
+@pytest.mark.parametrize("point", ["mid_write", "before_publish"])
+def test_a_writer_killed_during_a_save_leaves_the_previous_step_latest(root, tmp_path, point):
+    """A real SIGKILL of the saving process (mid-write, or with every byte written but before
+    the publish): the step is never published nor loaded, and the next run removes it."""
+    if root.startswith("memory://"):
+        pytest.skip("a memory:// store lives in one process: nothing outlives a killed writer")
+    script = ROOT / "tests" / "scripts" / "save_steps.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), root, "2"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=300, env=torchrun_env({"DCPKIT_FAILPOINT": f"{point}:2"}),
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL and "saved 1" in proc.stdout, proc.stderr[-2000:]
+    store = open_store(root)
+    assert store.published_steps() == [1]
+    model = torch.nn.Linear(256, 256)
+    config = CheckpointConfig(enable=True, folder=root, interval=1)
+    with CheckpointManager(config, tmp_path, model) as mgr:
+        assert store.incomplete_names() == []  # the new run removed what the kill left
+        assert mgr.load() == 1 and torch.equal(model.bias, torch.full((256,), 1.0))
+        mgr.save(2)
     assert store.published_steps() == [1, 2]
 
 
