@@ -179,6 +179,10 @@ def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
     assert back["optimizer_states"][0]["param_groups"][0]["params"] == [0]
     assert torch.equal(back["state_dict"]["model.w"], checkpoint["state_dict"]["model.w"])
     assert back["callbacks"] == checkpoint["callbacks"] and back["global_step"] == 16
+    moved = io.load_checkpoint(path, map_location="cpu")
+    assert moved["state_dict"]["model.w"].device == torch.device("cpu")
+    with pytest.raises(TypeError, match="map_location must be a device"):
+        io.load_checkpoint(path, map_location=lambda storage, where: storage)
     data = next(path.glob("*.distcp"))
     blob = bytearray(data.read_bytes())
     blob[0] ^= 0xFF

@@ -125,7 +125,12 @@ class DcpCheckpointIO(CheckpointIO):
             state = _read_whole(store, name, location)
         checkpoint = _from_layout(state, self.model_prefix, location)
         if map_location is not None:
-            checkpoint = _move(checkpoint, map_location)
+            if not isinstance(map_location, str | torch.device):
+                raise TypeError(
+                    f"DcpCheckpointIO: map_location must be a device (a str or torch.device), "
+                    f"got {type(map_location).__name__}"
+                )
+            checkpoint = _move(checkpoint, torch.device(map_location))
         logger.info("checkpoint: loaded %s in %.2fs", location, time.perf_counter() - start)
         return checkpoint
 
@@ -322,9 +327,9 @@ def _numel(size: Any) -> int:
     return n
 
 
-def _move(obj: Any, where: Any) -> Any:
+def _move(obj: Any, where: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.to(where) if not callable(where) else where(obj, None)
+        return obj.to(where)
     if isinstance(obj, dict):
         return {k: _move(v, where) for k, v in obj.items()}
     if isinstance(obj, list):
