@@ -193,6 +193,10 @@ def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
         io.save_checkpoint({"state_dict": {"head.w": torch.zeros(1)}}, tmp_path / "x.ckpt")
     io.remove_checkpoint(path)
     assert not path.exists()
+    weights_only = {"state_dict": checkpoint["state_dict"], "epoch": 2, "global_step": 16}
+    io.save_checkpoint(weights_only, tmp_path / "weights.ckpt")  # save_weights_only=True
+    back = io.load_checkpoint(tmp_path / "weights.ckpt")
+    assert "optimizer_states" not in back and back["epoch"] == 2
     background = AsyncCheckpointIO(io)  # Lightning's own background writer around the plugin
     background.save_checkpoint(checkpoint, tmp_path / "async.ckpt")
     checkpoint["state_dict"]["model.w"].add_(1)  # the state moves on while it is written

@@ -108,7 +108,7 @@ class DcpCheckpointIO(CheckpointIO):
         info = StepInfo(
             store=store,
             step=int(checkpoint.get("global_step", 0)),
-            groups=[MODEL, OPTIMIZER, LIGHTNING],
+            groups=[MODEL, *([OPTIMIZER] if OPTIMIZER in state else []), LIGHTNING],
             keep_latest_k=0,  # ModelCheckpoint chooses what to keep
             retry_s=self.retry_s,
             model=self.hf_model.record() if hasattr(self.hf_model, "record") else None,
@@ -144,20 +144,24 @@ class DcpCheckpointIO(CheckpointIO):
             for k, v in get_model_state_dict(module).items()
             if k.startswith(prefix)
         }
-        optim_sds = [get_optimizer_state_dict(module, opt) for opt in optimizers]
-        template = {**model_sd, OPTIMIZER: optim_sds}
         reader, _ = dcp_reader(store, name)
+        saved = reader.read_metadata().state_dict_metadata
+        with_optimizers = any(k.split(".")[0] == OPTIMIZER for k in saved)  # not weights-only
+        template: dict[str, Any] = dict(model_sd)
+        if with_optimizers:
+            template[OPTIMIZER] = [get_optimizer_state_dict(module, opt) for opt in optimizers]
         with dist.quiet_single_process():  # each process plans and reads its own shards
             dcp.load(template, storage_reader=reader, planner=safe_load_planner(), no_dist=True)
         options = StateDictOptions(strict=True)
         set_model_state_dict(module, {prefix + k: v for k, v in model_sd.items()}, options=options)
-        for opt, sd in zip(optimizers, template[OPTIMIZER]):
+        for opt, sd in zip(optimizers, template.get(OPTIMIZER, [])):
             set_optimizer_state_dict(module, opt, sd)
         with dist.this_process_only(), dist.quiet_single_process():
             rest = _read_whole(store, name, location, only=LIGHTNING)
         checkpoint = _decode_keys(rest[LIGHTNING])
         checkpoint["state_dict"] = {prefix + k: v for k, v in model_sd.items()}
-        checkpoint["optimizer_states"] = template[OPTIMIZER]
+        if with_optimizers:
+            checkpoint["optimizer_states"] = template[OPTIMIZER]
         return checkpoint
 
     def _verified(self, path: Any) -> tuple[Any, str, str]:
@@ -245,8 +249,9 @@ def _to_layout(checkpoint: dict[str, Any], prefix: str, location: str) -> dict[s
     clash = [k for k in state if k.split(".")[0] in (LIGHTNING, OPTIMIZER)]
     if clash:
         raise CheckpointError(f"{location}: parameter {clash[0]!r} takes a reserved name")
-    optimizers = checkpoint.get("optimizer_states", [])
-    state[OPTIMIZER] = _encode_keys(list(optimizers), location, OPTIMIZER)
+    if "optimizer_states" in checkpoint:  # not a weights-only checkpoint
+        optimizers = list(checkpoint["optimizer_states"])
+        state[OPTIMIZER] = _encode_keys(optimizers, location, OPTIMIZER)
     rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     state[LIGHTNING] = _encode_keys(rest, location, LIGHTNING)
     return state
@@ -295,7 +300,8 @@ def _from_layout(state: dict[str, Any], prefix: str, location: str) -> dict[str,
     if LIGHTNING not in state:
         raise CheckpointError(f"{location} is not a Lightning checkpoint written by dcpkit")
     checkpoint = _decode_keys(state.pop(LIGHTNING))
-    checkpoint["optimizer_states"] = _decode_keys(state.pop(OPTIMIZER, []))
+    if OPTIMIZER in state:
+        checkpoint["optimizer_states"] = _decode_keys(state.pop(OPTIMIZER))
     checkpoint["state_dict"] = {prefix + k: v for k, v in state.items()}
     return checkpoint
 
