@@ -326,3 +326,28 @@ def test_a_slow_delete_does_not_hold_up_a_save(tmp_path, monkeypatch):
     mgr.wait()
     assert open_store(root).published_steps() == [2, 3]
     mgr.close()
+
+
+def test_object_store_clients_never_draw_from_the_training_random_stream(tmp_path):
+    """botocore's and urllib3's retry jitter and aiohttp's connection-queue shuffle draw from
+    generators of their own once a store is open: a retried or queued request leaves the
+    training's Python random stream where it was."""
+    import random
+
+    import aiohttp.connector
+    import botocore.retryhandler
+    from botocore.retries.standard import ExponentialBackoff
+    from urllib3.exceptions import ConnectTimeoutError
+    from urllib3.util.retry import Retry
+
+    open_store(f"memory://dcpkit-{uuid.uuid4().hex}/checkpoint")
+    random.seed(1234)
+    before = random.getstate()
+    ExponentialBackoff().delay_amount(type("Context", (), {"attempt_number": 3})())
+    botocore.retryhandler.delay_exponential(base="rand", growth_factor=2, attempts=3)
+    retry = Retry(total=5, backoff_factor=0.1, backoff_jitter=1.0)
+    for _ in range(3):
+        retry = retry.increment(method="GET", url="/", error=ConnectTimeoutError())
+    assert retry.get_backoff_time() > 0
+    aiohttp.connector.random.shuffle(list(range(8)))
+    assert random.getstate() == before

@@ -49,6 +49,7 @@ from dcpkit.storage.base import (
     own_files_of,
 )
 from dcpkit.storage.messages import explain, scrub
+from dcpkit.storage.randomness import isolate as isolate_randomness
 from dcpkit.storage.writer import CrashPointWriter
 
 _SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit
@@ -72,6 +73,7 @@ class FsspecStore(CheckpointStore):
                 f"{url}: remote storage needs fsspec and the file system's package "
                 "(pip install 'dcpkit[remote]', i.e. fsspec and s3fs)"
             ) from None
+        isolate_randomness()  # the clients' jitter never draws from the training's stream
         self.root = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
         try:
