@@ -4,6 +4,7 @@ before anything else uses it."""
 
 from __future__ import annotations
 
+import random
 import signal
 import subprocess
 import sys
@@ -351,3 +352,17 @@ def test_object_store_clients_never_draw_from_the_training_random_stream(tmp_pat
     assert retry.get_backoff_time() > 0
     aiohttp.connector.random.shuffle(list(range(8)))
     assert random.getstate() == before
+
+
+def test_opening_a_store_leaves_the_python_random_stream_where_it_was():
+    """In a fresh process: a store opened after the training seeded Python's random (s3fs's
+    imports then run, and one of them draws from it) leaves the stream where it was."""
+    code = (
+        "import random; random.seed(7)\n"
+        "from dcpkit.storage import open_store\n"
+        "open_store('s3://dcpkit-test/never-touched')\n"
+        "print(repr(random.random()))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout) == random.Random(7).random()

@@ -49,6 +49,7 @@ from dcpkit.storage.base import (
     own_files_of,
 )
 from dcpkit.storage.messages import explain, scrub
+from dcpkit.storage.randomness import imports_kept_off_stream
 from dcpkit.storage.randomness import isolate as isolate_randomness
 from dcpkit.storage.writer import CrashPointWriter
 
@@ -67,17 +68,19 @@ class FsspecStore(CheckpointStore):
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         try:
-            import fsspec
+            with imports_kept_off_stream():
+                import fsspec
         except ImportError:
             raise StoreError(
                 f"{url}: remote storage needs fsspec and the file system's package "
                 "(pip install 'dcpkit[remote]', i.e. fsspec and s3fs)"
             ) from None
-        isolate_randomness()  # the clients' jitter never draws from the training's stream
         self.root = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
         try:
-            self.fs, self.path = fsspec.core.url_to_fs(self.root, **self.storage_options)
+            with imports_kept_off_stream():  # s3fs's imports draw from Python's random
+                isolate_randomness()  # the clients' jitter never draws from the training's
+                self.fs, self.path = fsspec.core.url_to_fs(self.root, **self.storage_options)
         except (ImportError, ValueError) as e:
             raise StoreError(scrub(f"{self.root}: {e}", self.storage_options)) from None
 
