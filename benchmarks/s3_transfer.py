@@ -66,7 +66,7 @@ def worker(gib: float, repeats: int) -> None:
     from dcpkit import CheckpointConfig, CheckpointManager
 
     td.init_process_group("gloo")
-    rank = td.get_rank()
+    rank, world = td.get_rank(), td.get_world_size()
     model, opt = build(gib)
     tensors = [_local(p.detach()) for p in model.parameters()]
     for st in opt.state.values():
@@ -94,7 +94,7 @@ def worker(gib: float, repeats: int) -> None:
 
     out: dict[str, list[float]] = {}
     for r in range(repeats):
-        url = f"s3://{BUCKET}/dcpkit-{r}"
+        url = f"s3://{BUCKET}/dcpkit-{world}-{r}"
         cfg = CheckpointConfig(enable=True, folder=url, interval=1, keep_latest_k=0)
         mgr = CheckpointManager(cfg, ".", model, optimizer=opt)
         out.setdefault("dcpkit_save_s", []).append(timed(lambda m=mgr: m.save(1)))
@@ -104,7 +104,7 @@ def worker(gib: float, repeats: int) -> None:
         out.setdefault("dcpkit_load_s", []).append(timed(mgr.load))
         mgr.close()
 
-        key = f"raw-{r}/rank-{rank}"
+        key = f"raw-{world}-{r}/rank-{rank}"
 
         def upload(key: str = key) -> None:
             client.upload_fileobj(io.BytesIO(raw), BUCKET, key, Config=transfer)
@@ -117,7 +117,7 @@ def worker(gib: float, repeats: int) -> None:
         out.setdefault("raw_save_s", []).append(timed(upload))
         out.setdefault("raw_load_s", []).append(timed(download))
 
-        path = f"s3://{BUCKET}/s3tc-{r}"
+        path = f"s3://{BUCKET}/s3tc-{world}-{r}"
 
         def s3tc_save(path: str = path) -> None:
             writer = S3StorageWriter(REGION, path, s3client_config=s3tc, thread_count=8)
@@ -216,7 +216,11 @@ def main() -> int:
             rows.append(summarize(ranks, job.ranks))
     finally:
         server.terminate()
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
         shutil.rmtree(data, ignore_errors=True)
     print(f"SeaweedFS on loopback, model + AdamW, median of {opts.repeats} (slowest rank)")
     print(

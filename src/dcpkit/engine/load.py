@@ -271,13 +271,14 @@ def restore_verified(
     plan: LoadPlan, config: Any, store: Any, restore: Callable[..., list[str]]
 ) -> tuple[LoadPlan, list[str]]:
     """``restore(store, name, model_only[, checksums=])`` the checkpoint of ``plan``, or with
-    ``verify_on_load`` the one that proves intact: local files are checksummed as the load
-    reads them, in the same pass, each rank its share; a failure falls back as configured.
+    ``verify_on_load`` the one that proves intact: the files are checksummed as the load reads
+    them (local or remote), in the same pass, each rank its share; a failure falls back as
+    configured.
     Returns the plan loaded and the pieces restored."""
     if not config.verify_on_load:
         return plan, restore(plan.store, plan.name, plan.model_only)
-    fused = (  # DCP data on local files: the reader checksums it as it loads
-        plan.store.local_dir(plan.name) is not None and METADATA in plan.store.list_names(plan.name)
+    fused = (  # DCP data read by dcpkit's reader: it checksums the files as it loads them
+        plan.store.direct_reads and METADATA in plan.store.list_names(plan.name)
     )
     # .metadata (and its index) are read before any data is: checksummed first, whatever the mode.
     kept: dict[str, Any] = {}  # the .metadata or index those checks read: the load reads by it
@@ -294,5 +295,5 @@ def restore_verified(
             )
         except FailedVerification as e:
             checked = fallback(plan, e.problems, config, store)
-    # A fallback step (verified by a pass of its own), or a remote one (verified before).
+    # A fallback step (verified by a pass of its own), or one verified before (other stores).
     return checked, restore(checked.store, checked.name, checked.model_only)

@@ -52,8 +52,7 @@ logger = logging.getLogger(__name__)
 
 
 class HFCodec(Protocol):
-    """What the engine needs to read and write Hugging Face folders of one model family
-    (``dcpkit.HFModel`` provides it)."""
+    """Reading and writing Hugging Face folders of one model family (``dcpkit.HFModel``)."""
 
     def export(self, view: Any, out: Path) -> None:
         """Write the model of the DCP checkpoint ``view`` as a Hugging Face folder ``out``."""
@@ -79,11 +78,10 @@ def restore(
     index: DcpIndex | None = None,
 ) -> list[str]:
     """Load checkpoint ``name`` of ``store`` into the live state; returns the pieces restored.
-    ``checksums``: this rank's share of the files to verify as they are read (local files);
-    a mismatch raises :class:`FailedVerification` once every rank has read, with the live
-    state partly loaded (load another checkpoint, or stop). ``metadata``: its ``.metadata``,
-    parsed by the checks before (local files only), not parsed again; ``index``: likewise its
-    index, as the checks read it.
+    ``checksums``: this rank's share of the files to verify as they are read; a mismatch
+    raises :class:`FailedVerification` once every rank has read, with the live state partly
+    loaded (load another checkpoint, or stop). ``metadata``: its ``.metadata``, parsed by the
+    checks before, not parsed again; ``index``: likewise its index, as the checks read it.
     ``own_rank``: a checkpoint of this rank alone (the memory tier), read without collectives,
     its per-rank values and RNG this rank's own."""
     location = store.location(name)
@@ -309,11 +307,11 @@ def dcp_reader(
     manifest: Any = None,
     index: DcpIndex | None = None,
 ) -> tuple[Any, DcpIndex | None]:
-    """The reader of checkpoint ``name`` (direct reads into the destination tensors when its
-    files are local, verifying ``checksums`` as they stream through; else the store's own),
-    and the index of its ``.metadata`` to plan from when ``manifest`` lists one (``index``:
-    the one the checks read already; a remote one is downloaded alone). No index when
-    ``metadata`` (parsed by the checks) is given."""
+    """The reader of checkpoint ``name`` (direct reads into the destination tensors, of local
+    files or of remote ones by parallel ranged reads, verifying ``checksums`` as they stream
+    through; else the store's own), and the index of its ``.metadata`` to plan from when
+    ``manifest`` lists one (``index``: the one the checks read already; a remote one is
+    downloaded alone). No index when ``metadata`` (parsed by the checks) is given."""
     folder = store.local_dir(name)
     if metadata is not None:
         index = None
@@ -323,8 +321,11 @@ def dcp_reader(
         index = _remote_index(store, name, manifest)
     if folder is not None:
         return DirectFileSystemReader(folder, checksums=checksums, metadata=metadata), index
+    if (remote := store.remote_files(name)) is not None:  # parallel ranged reads
+        files, fs = remote
+        return DirectFileSystemReader(files.folder, None, checksums, metadata, files, fs), index
     if checksums:
-        raise ValueError("checksums are verified while loading local files only")
+        raise ValueError(f"{store.location(name)}: this store cannot verify while it loads")
     return store.dcp_reader(name), index
 
 
@@ -350,8 +351,8 @@ def _remote_index(store: Any, name: str, manifest: Any) -> DcpIndex | None:
     finally:
         if index is None:
             tmp.cleanup()
-    if index is not None:
-        weakref.finalize(index, tmp.cleanup)
+        else:
+            weakref.finalize(index, tmp.cleanup)
     return index
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -49,13 +50,22 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         thread_count: int | None = None,
         checksums: dict[str, str] | None = None,
         metadata: Any = None,
+        files: Any = None,
+        fs: Any = None,
     ) -> None:
         """``checksums``: file name -> expected xxh3-64 of the files this rank verifies while it
         loads (each hashed in one pass as its bytes stream through, the bytes the load does not
         need read only to be hashed); their problems, and any read failure, are then collected
         in ``problems`` instead of raised. ``metadata``: the checkpoint's, already parsed (see
-        ``adopt_metadata``; a rank's share of it, from the index of ``.metadata``)."""
+        ``adopt_metadata``; a rank's share of it, from the index of ``.metadata``). ``files``:
+        opens the data files (``LocalFiles``, or a remote store's own, which streams the bytes a
+        load walks); ``fs``: DCP's file system to read ``.metadata`` and transformed records
+        through, instead of the local one."""
         super().__init__(path)
+        if fs is not None:
+            self.fs = fs
+        self.files = files or LocalFiles(path)
+        self.workers = 1
         if metadata is not None:
             self.adopt_metadata(metadata)
         self.thread_count = thread_count or io_threads()
@@ -77,6 +87,7 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         units: list[Any] = [(self._verify_file, name, run) for name, run in verified.items()]
         units += [(self._read_run, run) for run in _split(rest, self.thread_count)]
         units.sort(key=lambda u: -sum(e[2] for e in u[-1]))  # largest first
+        self.workers = max(1, min(len(units), self.thread_count))
         if len(units) <= 1:
             for fn, *args in units:
                 self._guarded(fn, *args, planner)
@@ -102,13 +113,13 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
 
     def _verify_file(self, name: str, run: list[tuple[str, int, int, Any]], planner: Any) -> None:
         """Load this rank's items of file ``name`` and hash the whole file in the same pass."""
-        path = Path(self.path) / name
+        path = f"{self.path}/{name}"
         h = xxhash.xxh3_64()
         archives: dict[int, TorchSaveFile] = {}
         # ``f`` for the file's small reads (each archive's parse, byte records, the bytes around
         # the tensors); the tensors' bytes through ``raw``, one seek per tensor, no buffer.
-        with open(path, "rb") as f, open(path, "rb", buffering=0) as raw:
-            size = os.fstat(f.fileno()).st_size
+        records = [(offset, length) for _, offset, length, _ in run]
+        with self.files.open(name, records, True, self.workers) as (f, raw, size):
             _open_archives(f, size, run, archives, raw)
             pos, last = 0, -1
             for _, offset, length, item in run:
@@ -133,23 +144,37 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
             )
 
     def _read_run(self, run: list[tuple[str, int, int, Any]], planner: Any) -> None:
-        handles: dict[str, tuple[Any, int]] = {}  # file, its size
-        archives: dict[str, dict[int, TorchSaveFile]] = {}
-        try:
-            for relative, offset, length, item in run:
-                if relative not in handles:
-                    f = open(Path(self.path) / relative, "rb")  # noqa: SIM115
-                    handles[relative] = f, os.fstat(f.fileno()).st_size
-                f, size = handles[relative]
-                try:
-                    cache = archives.setdefault(relative, {})
-                    _load_item(f, size, offset, length, item, planner, cache, None)
-                except (ValueError, zipfile.BadZipFile) as e:
-                    path = Path(self.path) / relative
-                    raise ValueError(f"{path}: {item.storage_index.fqn}: {e}") from None
-        finally:
-            for f, _ in handles.values():
-                f.close()
+        for relative, group in itertools.groupby(run, key=lambda e: e[0]):  # sorted by file
+            items = list(group)
+            records = [(offset, length) for _, offset, length, _ in items]
+            with self.files.open(relative, records, False, self.workers) as (f, _, size):
+                archives: dict[int, TorchSaveFile] = {}
+                for _, offset, length, item in items:
+                    try:
+                        _load_item(f, size, offset, length, item, planner, archives, None)
+                    except (ValueError, zipfile.BadZipFile) as e:
+                        path = f"{self.path}/{relative}"
+                        raise ValueError(f"{path}: {item.storage_index.fqn}: {e}") from None
+
+
+class LocalFiles:
+    """Opens the data files of a local checkpoint for ``DirectFileSystemReader``: ``open(name,
+    records, whole, threads)`` gives ``(f, raw, size)``, a buffered and an unbuffered handle
+    and the file's size (``records``: the ``(offset, length)`` the reader will read, in order;
+    ``whole``: every byte is read; ``threads``: how many files are read at once)."""
+
+    def __init__(self, folder: Any) -> None:
+        self.folder = Path(folder)
+
+    @contextlib.contextmanager
+    def open(self, name: str, records: Any, whole: bool, threads: int) -> Any:
+        path = self.folder / name
+        if whole:
+            with open(path, "rb") as f, open(path, "rb", buffering=0) as raw:
+                yield f, raw, os.fstat(f.fileno()).st_size
+        else:
+            with open(path, "rb") as f:
+                yield f, f, os.fstat(f.fileno()).st_size
 
 
 def local_regions(template: dict[str, Any]) -> dict[str, list[Region] | None]:

@@ -212,6 +212,7 @@ class CheckpointStore(ABC):
     own_names: frozenset[str] = frozenset()
     """Names the store itself adds to a checkpoint folder (never listed in a manifest)."""
     incomplete_status = "incomplete (interrupted save; never loaded, removed by the next save)"
+    direct_reads = False  # dcpkit's DCP reader reads it (``local_dir`` or ``remote_files``)
 
     # -- primitives ------------------------------------------------------------------------------
 
@@ -254,6 +255,11 @@ class CheckpointStore(ABC):
     @abstractmethod
     def dcp_reader(self, name: str) -> Any:
         """A DCP ``StorageReader`` of checkpoint ``name``."""
+
+    def remote_files(self, name: str) -> tuple[Any, Any] | None:
+        """The files of remote checkpoint ``name`` as dcpkit's DCP reader opens them (see
+        ``formats.dcp_reader.LocalFiles``) and DCP's file system on it; None: not offered."""
+        return None
 
     @abstractmethod
     def view(

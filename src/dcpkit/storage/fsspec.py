@@ -2,20 +2,18 @@
 publish by commit marker.
 
 Rename is not atomic on an object store, so every rank's data, ``.metadata`` and the manifest are
-uploaded straight into ``step-N/``, and a commit marker, written last, makes it a checkpoint.
-Discovery sees only folders with the marker; folders without it are abandoned uploads, removed
-by the next run. Deletion marks the folder as being deleted, then removes the commit marker, so
-a half-deleted checkpoint is taken neither for a complete one nor for an abandoned upload.
+uploaded straight into ``step-N/`` (in parallel parts, hashed on the way: ``transfer.py``), and a
+commit marker, written last, makes it a checkpoint. Discovery sees only folders with the marker;
+folders without it are abandoned uploads, removed by the next run. Deletion marks the folder as
+being deleted, then removes the commit marker, so a half-deleted checkpoint is taken neither for a
+complete one nor for an abandoned upload. A load reads the data files by parallel ranged reads
+into the destination tensors (``remote_files``), checksumming them in the same pass.
 
 The tools read a remote checkpoint through a metadata-only local copy (``.metadata``, its index
-and small files whole, data files as sparse files of their true size, safetensors files as
-their header), whose data files are read from the remote originals by range requests as
-tensors are asked for: no data file is downloaded whole. A load plans from the index of
-``.metadata`` alone (``engine/restore.py`` downloads it).
-
-Credentials and endpoint come from the standard environment (``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ...) or from ``[checkpoint] storage_options``,
-passed to fsspec as they are.
+and small files whole, data files as sparse files of their true size, safetensors files as their
+header), whose data files are read from the remote originals by range requests as tensors are
+asked for. Credentials and endpoint come from the standard environment (``AWS_ACCESS_KEY_ID``,
+``AWS_ENDPOINT_URL``, ...) or from ``[checkpoint] storage_options``, passed to fsspec as they are.
 """
 
 from __future__ import annotations
@@ -28,6 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import xxhash
+
 from dcpkit.layout import (
     COMMIT_MARKER,
     DELETING,
@@ -37,7 +37,7 @@ from dcpkit.layout import (
     STAGING_SUFFIX,
     parse_step,
 )
-from dcpkit.manifest import CHUNK, sealed_bytes
+from dcpkit.manifest import CHECKSUM_ALGORITHM, CHUNK, Problem, parse_manifest, sealed_bytes
 from dcpkit.safe_pickle import safe_reader
 from dcpkit.storage.base import (
     CheckpointStore,
@@ -51,7 +51,9 @@ from dcpkit.storage.base import (
 from dcpkit.storage.messages import explain, scrub
 from dcpkit.storage.randomness import imports_kept_off_stream
 from dcpkit.storage.randomness import isolate as isolate_randomness
-from dcpkit.storage.writer import CrashPointWriter
+from dcpkit.storage.ranged import RemoteFiles, remote_files
+from dcpkit.storage.transfer import Transport
+from dcpkit.storage.upload import step_writer, upload_file_system
 
 _SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit
 _SMALL_FILE = 64 << 20  # other files up to this size are copied (metadata, configs, tokenizers)
@@ -63,6 +65,7 @@ class FsspecStore(CheckpointStore):
     """An fsspec file system and a root URL on it."""
 
     own_names = frozenset({COMMIT_MARKER, DELETING})
+    direct_reads = True
     incomplete_status = "incomplete (upload never committed; removed by the next save)"
     deleting_status = "being deleted by retention (if interrupted, removed by the next save)"
 
@@ -130,6 +133,15 @@ class FsspecStore(CheckpointStore):
     def open_read(self, name: str) -> BinaryIO:
         return self.fs.open(self._p(name), "rb", block_size=CHUNK)
 
+    def read_bytes(self, name: str) -> bytes:  # one request (no HEAD first)
+        return self.fs.cat_file(self._p(name))
+
+    def read_manifest(self, folder: str) -> tuple[dict[str, Any] | None, list[Problem]]:
+        try:
+            return parse_manifest(self.read_bytes(f"{folder}/{MANIFEST}" if folder else MANIFEST))
+        except FileNotFoundError:
+            return None, []
+
     def write_bytes(self, name: str, data: bytes) -> None:
         with self.fs.open(self._p(name), "wb") as f:
             f.write(data)
@@ -173,6 +185,22 @@ class FsspecStore(CheckpointStore):
 
     def dcp_reader(self, name: str) -> Any:
         return _reader_class()(self.location(name), **self.storage_options)
+
+    @functools.cached_property
+    def transport(self) -> Transport:
+        return Transport(self.fs)
+
+    def remote_files(self, name: str) -> tuple[RemoteFiles, Any]:
+        """The data files of checkpoint ``name`` as dcpkit's DCP reader opens them (streamed
+        by parallel ranged reads; their sizes from one listing), and DCP's file system for the
+        rest of what it reads."""
+        try:
+            entries = self.fs.ls(self._p(name), detail=True, refresh=True)
+        except FileNotFoundError:
+            entries = []
+        except Exception as e:
+            raise StoreError(self._explain(self.location(name), e)) from None
+        return remote_files(self.transport, self.fs, self._p(name), entries)
 
     def is_published(self, name: str) -> bool:
         return parse_step(name) is not None and COMMIT_MARKER in self.list_names(name)
@@ -277,18 +305,6 @@ def _reader_class() -> type:
     return safe_reader(FsspecReader)
 
 
-@functools.cache
-def _step_writer_class() -> type:
-    """DCP's fsspec writer with the ``mid_write`` crash point (defined on first use: fsspec is
-    an optional dependency)."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    class FsspecStepWriter(CrashPointWriter, FsspecWriter):
-        pass
-
-    return FsspecStepWriter
-
-
 class FsspecPending(PendingStep):
     """Uploaded straight into ``NAME/``; the commit marker, written last, publishes it."""
 
@@ -297,14 +313,17 @@ class FsspecPending(PendingStep):
     def __init__(self, store: FsspecStore, name: str, step, kill_pid, is_dir) -> None:  # type: ignore[no-untyped-def]
         super().__init__(store, name, step, kill_pid, is_dir)
         self._scratch: tempfile.TemporaryDirectory | None = None
+        self.digests: dict[str, tuple[str, int]] = {}  # taken as this process uploaded them
 
     def prepare(self) -> None:
         if self.store.exists(self.name):
             self.store.remove(self.name)  # an abandoned upload of this name, or a re-save
 
     def dcp_writer(self) -> Any:
-        writer = _step_writer_class()(self.store.location(self.name), **self.store.storage_options)
-        writer._step, writer._kill_pid = self.step, self.kill_pid
+        store = self.store
+        writer = step_writer(store.location(self.name), store.storage_options, self.step)
+        writer._kill_pid = self.kill_pid
+        writer.fs = upload_file_system(store.fs, store.transport, self.digests)
         return writer
 
     def scratch(self) -> Path:
@@ -322,7 +341,14 @@ class FsspecPending(PendingStep):
             from dcpkit.storage.local import LocalStore
 
             return LocalStore(self.scratch()).describe("", names)
-        return self.store.describe(self.name, names)
+        out, unknown = {}, []
+        for name in names:  # DCP writes ``.metadata`` as ``.metadata.tmp`` and renames it
+            digest = self.digests.get(name) or self.digests.get(f"{name}.tmp")
+            if digest is None:
+                unknown.append(name)
+            else:
+                out[name] = {"size": digest[1], CHECKSUM_ALGORITHM: digest[0]}
+        return {**out, **self.store.describe(self.name, unknown)}
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         self.store.write_bytes(f"{self.name}/{MANIFEST}", sealed_bytes(manifest))
@@ -332,6 +358,7 @@ class FsspecPending(PendingStep):
             (self.scratch() / name).write_bytes(data)
         else:
             self.store.write_bytes(f"{self.name}/{name}", data)
+            self.digests[name] = xxhash.xxh3_64_hexdigest(data), len(data)
 
     def _commit(self) -> None:
         if self._scratch is not None:

@@ -109,6 +109,8 @@ def _remove_path(path: Path) -> None:
 class LocalStore(CheckpointStore):
     """A folder on a file system with atomic rename."""
 
+    direct_reads = True
+
     def __init__(self, root: str | Path) -> None:
         self.path = Path(root)
         self.root = str(self.path)
