@@ -67,6 +67,7 @@ def _evict(folder: Path) -> None:
 
 def worker(gib: float, work: Path) -> None:
     import torch.distributed as td
+
     from dcpkit import CheckpointConfig, CheckpointManager
 
     td.init_process_group("gloo")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -41,12 +42,43 @@ from pathlib import Path
 import torch
 from _launch import report, run_ranks  # this script's folder is on sys.path
 
+from dcpkit.storage.transfer import READ_PART, READS_IN_FLIGHT
+
 BUCKET = "bench"
 REGION = "us-east-1"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+class PeakRss:
+    """The most resident memory the process held while the block ran, over what it held when
+    it began (sampled every 2 ms from ``/proc/self/statm``)."""
+
+    def __enter__(self) -> PeakRss:
+        import threading
+
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.start = self.peak = self._rss()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+        self.peak = max(self.peak, self._rss())
+        self.over = self.peak - self.start
 
 
 def worker(gib: float, repeats: int) -> None:
@@ -101,7 +133,9 @@ def worker(gib: float, repeats: int) -> None:
         mgr.close()
         cfg = CheckpointConfig(enable=True, folder=url, interval=1, load_only=True)
         mgr = CheckpointManager(cfg, ".", model, optimizer=opt)
-        out.setdefault("dcpkit_load_s", []).append(timed(mgr.load))
+        with PeakRss() as rss:
+            out.setdefault("dcpkit_load_s", []).append(timed(mgr.load))
+        out.setdefault("load_peak_over_mib", []).append(rss.over / (1 << 20))
         mgr.close()
 
         key = f"raw-{world}-{r}/rank-{rank}"
@@ -174,7 +208,7 @@ def summarize(ranks: int, result: list[dict]) -> dict:
     total = sum(r["rank_bytes"] for r in result)
     row: dict = {"ranks": ranks, "gib": total / (1 << 30)}
     for key in result[0]:
-        if key.endswith("_s"):
+        if key.endswith(("_s", "_mib")):
             row[key] = statistics.median(
                 max(r[key][i] for r in result) for i in range(len(result[0][key]))
             )
@@ -227,6 +261,7 @@ def main() -> int:
         "| ranks | GiB | op | dcpkit | raw (boto3) | s3torchconnector | dcpkit/raw | dcpkit/s3tc |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    bound = READS_IN_FLIGHT * READ_PART / (1 << 20)
     for row in rows:
         for op in ("save", "load"):
             cells = [f"{row[f'{who}_{op}_s']:.2f} s" for who in ("dcpkit", "raw", "s3tc")]
@@ -234,6 +269,12 @@ def main() -> int:
                 f"| {row['ranks']} | {row['gib']:.2f} | {op} | {' | '.join(cells)} | "
                 f"{row[f'{op}_vs_raw']:.2f}x | {row[f'{op}_vs_s3tc']:.2f}x |"
             )
+    for row in rows:
+        peak = row["load_peak_over_mib"]
+        print(
+            f"{row['ranks']} rank(s): a load's peak resident memory over the process's before "
+            f"it: {peak:.0f} MiB (the stated bound of parts in flight: {bound:.0f} MiB)"
+        )
     if opts.json:
         opts.json.write_text(json.dumps(rows, indent=1))
     if opts.png:

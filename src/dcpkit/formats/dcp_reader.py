@@ -120,7 +120,8 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         # the tensors); the tensors' bytes through ``raw``, one seek per tensor, no buffer.
         records = [(offset, length) for _, offset, length, _ in run]
         with self.files.open(name, records, True, self.workers) as (f, raw, size):
-            _open_archives(f, size, run, archives, raw)
+            if self.files.parse_ahead:
+                _open_archives(f, size, run, archives, raw)
             pos, last = 0, -1
             for _, offset, length, item in run:
                 again = offset == last  # another part of the record just hashed
@@ -162,6 +163,8 @@ class LocalFiles:
     records, whole, threads)`` gives ``(f, raw, size)``, a buffered and an unbuffered handle
     and the file's size (``records``: the ``(offset, length)`` the reader will read, in order;
     ``whole``: every byte is read; ``threads``: how many files are read at once)."""
+
+    parse_ahead = True  # every archive of a file read whole is parsed before its data is read
 
     def __init__(self, folder: Any) -> None:
         self.folder = Path(folder)

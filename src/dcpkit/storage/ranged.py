@@ -103,7 +103,13 @@ class RangeFile(io.RawIOBase):
             view[:n] = window
             self.pos += n
             return n
-        if self._queue and self._queue[0][1] <= pos:  # parts the reader has passed
+        small = n <= HEAD  # a parse's read: from any part on its way, passing none of them
+        for a, e, future in self._queue if small else ():
+            if a <= pos and pos + n <= e:
+                view[:n] = memoryview(future.result())[pos - a : pos - a + n]
+                self.pos += n
+                return n
+        if not small and self._queue and self._queue[0][1] <= pos:  # parts the reader passed
             while self._queue and self._queue[0][1] <= pos:
                 self._queue.popleft()[2].cancel()
             while (
@@ -113,7 +119,7 @@ class RangeFile(io.RawIOBase):
             ):
                 self._next += 1
             self._fill()
-        if self._queue and self._queue[0][0] <= pos:
+        if self._queue and self._queue[0][0] <= pos < self._queue[0][1]:
             a, e, future = self._queue[0]
             k = min(n, e - pos)
             view[:k] = memoryview(future.result())[pos - a : pos - a + k]
@@ -123,7 +129,7 @@ class RangeFile(io.RawIOBase):
                 self._fill()
             return k
         stop = pos + n  # off the streamed spans: a request of its own, up to the next part
-        if self._queue:
+        if self._queue and not small:
             stop = min(stop, max(self._queue[0][0], pos + 1))
         self.transport.read_into(self.path, pos, view[: stop - pos])
         self.extra_bytes += stop - pos
@@ -174,12 +180,14 @@ def record_spans(
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The spans a reader streams and the windows it fetches up front, for ``torch.save``
     records at ``(offset, length)``: every byte of the file when ``whole`` (a file checksummed
-    as it loads), else the records; a record's first and last ``HEAD`` bytes as windows."""
+    as it loads; each record is parsed when the stream reaches it, from the parts on their way),
+    else the records and each one's first and last ``HEAD`` bytes as windows."""
+    if whole:
+        return [(0, size)], []
     windows = []
     for offset, length in records:
         windows += [(offset, offset + min(length, HEAD)), (offset + length - HEAD, offset + length)]
-    spans = [(0, size)] if whole else [(o, o + n) for o, n in records]
-    return spans, windows
+    return [(o, o + n) for o, n in records], windows
 
 
 class RemoteFiles:
@@ -190,6 +198,7 @@ class RemoteFiles:
     def __init__(self, transport: Transport, folder: str, sizes: dict[str, int]) -> None:
         self.transport, self.folder, self.sizes = transport, folder, sizes
         self.extra_bytes = 0
+        self.parse_ahead = False  # a file read whole parses each record as the stream reaches it
 
     @contextlib.contextmanager
     def open(self, name: str, records: list[tuple[int, int]], whole: bool, threads: int) -> Any:
