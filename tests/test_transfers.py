@@ -16,6 +16,7 @@ from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager
 from dcpkit.layout import METADATA
 from dcpkit.storage import open_store
 from dcpkit.storage.transfer import HEAD, READ_PART, READS_IN_FLIGHT, UPLOAD_PART, WINDOWS_AHEAD
+from dcpkit.storage.upload import PartUpload
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -52,9 +53,7 @@ def _client(store):
 
 
 def _data_files(store, name: str) -> dict[str, int]:
-    return {
-        n: store.size(f"{name}/{n}") for n in store.list_names(name) if n.endswith(".distcp")
-    }
+    return {n: store.size(f"{name}/{n}") for n in store.list_names(name) if n.endswith(".distcp")}
 
 
 def test_a_save_uploads_in_parts_and_a_verified_load_reads_each_byte_once(folder, tmp_path):
@@ -104,9 +103,12 @@ def test_a_corrupted_object_fails_the_verified_load_and_falls_back(folder, tmp_p
 
     fresh = _model(1)
     config = CheckpointConfig(enable=True, folder=folder, interval=1)
-    with CheckpointManager(config, tmp_path, fresh, torch.optim.AdamW(fresh.parameters())) as mgr:
-        with pytest.raises(CheckpointError) as failure:
-            mgr.load()
+    optimizer = torch.optim.AdamW(fresh.parameters())
+    with (
+        CheckpointManager(config, tmp_path, fresh, optimizer) as mgr,
+        pytest.raises(CheckpointError) as failure,
+    ):
+        mgr.load()
     assert "checksum mismatch" in str(failure.value) and name in str(failure.value)
 
     config = CheckpointConfig(enable=True, folder=folder, interval=1, fallback_on_corruption=True)
@@ -118,13 +120,13 @@ def test_an_upload_that_fails_leaves_no_parts_and_no_object(folder):
     store = open_store(folder)
     bucket, prefix = store.path.split("/", 1)
     path = f"{store.path}/partial.bin"
-    upload = store.transport.upload(path)
+    upload = PartUpload(store.transport, path)
     upload.write(b"\1" * (3 * UPLOAD_PART + 5))  # three parts on the wire, one being filled
     upload.abort()
     assert not _client(store).list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads")
     assert not store.fs.exists(path)
 
-    upload = store.transport.upload(path)  # and a complete one is the bytes written
+    upload = PartUpload(store.transport, path)  # and a complete one is the bytes written
     payload = bytes(range(256)) * ((UPLOAD_PART + 777) // 256)
     for at in range(0, len(payload), 3 << 20):
         upload.write(payload[at : at + (3 << 20)])

@@ -12,7 +12,7 @@ from typing import Any
 from dcpkit import dist
 from dcpkit.config import ConfigError
 from dcpkit.engine.policy import choose_step, fallback_steps, is_seed_step
-from dcpkit.engine.restore import FailedVerification
+from dcpkit.engine.reading import FailedVerification
 from dcpkit.errors import CheckpointError
 from dcpkit.integrity import verify_checkpoint
 from dcpkit.layout import (

@@ -11,19 +11,16 @@ from __future__ import annotations
 import logging
 import math
 import re
-import tempfile
-import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from dcpkit import dist
+from dcpkit.engine.reading import dcp_reader, load_into
 from dcpkit.engine.states import (
     ModelState,
     PerRank,
@@ -33,20 +30,19 @@ from dcpkit.engine.states import (
     rng_source_rank,
 )
 from dcpkit.engine.values import fit_to_saved
-from dcpkit.errors import CheckpointError, first_failure
-from dcpkit.formats.dcp_index import DcpIndex, bound_index
-from dcpkit.formats.dcp_reader import DirectFileSystemReader, local_regions
+from dcpkit.errors import CheckpointError
+from dcpkit.formats.dcp_index import DcpIndex
+from dcpkit.formats.dcp_reader import local_regions
 from dcpkit.layout import (
     HF_FILES,
     METADATA,
-    METADATA_INDEX,
     MODEL,
     OPTIMIZER,
     RNG,
     is_model_key,
 )
-from dcpkit.manifest import CHUNK, format_problem
-from dcpkit.safe_pickle import UnsafeCheckpoint, safe_load_planner
+from dcpkit.manifest import format_problem
+from dcpkit.safe_pickle import UnsafeCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +159,9 @@ def restore(
             reader.adopt_metadata(index.metadata(local_regions(template)))
         except UnsafeCheckpoint as e:
             raise CheckpointError(str(e)) from None
-    _load(template, reader, location, gather=not own_rank and dist.is_dist())
+    files = (manifest or {}).get("files") or {}
+    stored = sum(e.get("size", 0) for n, e in files.items() if n.endswith(".distcp"))
+    load_into(template, reader, location, not own_rank and dist.is_dist(), stored)
     model.load_state_dict({k: template[k] for k in model_sd})
     for group in wanted:
         obj = states[group]
@@ -185,32 +183,6 @@ def restore(
             raise CheckpointError(str(e)) from None
         restored.append(RNG)
     return restored
-
-
-def _load(template: dict[str, Any], reader: Any, location: str, gather: bool) -> None:
-    """``dcp.load`` of ``template`` through ``reader``, each rank planning its own reads: a
-    load's global plan is every rank's local plan unchanged, so DCP's exchange of the plans
-    (pickled, gathered, scattered back) and its barrier after the reads cost time and decide
-    nothing. What DCP's collectives did besides is done here in one gather (``gather``): every
-    rank fails when one did, and checksum problems found by any rank are reported by all."""
-    error = None
-    try:
-        with dist.quiet_single_process():
-            dcp.load(template, storage_reader=reader, planner=safe_load_planner(), no_dist=True)
-    except CheckpointException as e:  # a BaseException, wrapping what the rank raised
-        error = f"{location}: {first_failure(e)}"
-    except UnsafeCheckpoint as e:
-        error = f"{location}: {e}"
-    problems = [str(p) for p in getattr(reader, "problems", [])]
-    outcomes = dist.all_gather_object((error, problems)) if gather else [(error, problems)]
-    errors = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
-    if errors:
-        rank, first = errors[0]
-        where = f" (rank {rank})" if gather and rank != dist.rank() else ""
-        raise CheckpointError(f"{first}{where}")
-    found = sorted({p for _, part in outcomes for p in part})
-    if found:
-        raise FailedVerification(location, found)
 
 
 def _missing_message(location: str, missing: list[str], manifest: Any, saved: set[str]) -> str:
@@ -289,71 +261,6 @@ def load_hf(store: Any, name: str, model: ModelState, hf: HFCodec | None) -> Non
                 )
             for part in model.parts:
                 set_model_state_dict(part, {ours: tensor}, options=options)
-
-
-class FailedVerification(CheckpointError):
-    """A load found files of the checkpoint that do not match their manifest checksums."""
-
-    def __init__(self, location: str, problems: list[str]) -> None:
-        super().__init__(f"{location} failed verification: {'; '.join(problems[:5])}")
-        self.problems = problems
-
-
-def dcp_reader(
-    store: Any,
-    name: str,
-    checksums: dict[str, str] | None = None,
-    metadata: Any = None,
-    manifest: Any = None,
-    index: DcpIndex | None = None,
-) -> tuple[Any, DcpIndex | None]:
-    """The reader of checkpoint ``name`` (direct reads into the destination tensors, of local
-    files or of remote ones by parallel ranged reads, verifying ``checksums`` as they stream
-    through; else the store's own), and the index of its ``.metadata`` to plan from when
-    ``manifest`` lists one (``index``: the one the checks read already; a remote one is
-    downloaded alone). No index when ``metadata`` (parsed by the checks) is given."""
-    folder = store.local_dir(name)
-    if metadata is not None:
-        index = None
-    elif index is None and folder is not None:
-        index = bound_index(Path(folder), manifest)
-    elif index is None:
-        index = _remote_index(store, name, manifest)
-    if folder is not None:
-        return DirectFileSystemReader(folder, checksums=checksums, metadata=metadata), index
-    if (remote := store.remote_files(name)) is not None:  # parallel ranged reads
-        files, fs = remote
-        return DirectFileSystemReader(files.folder, None, checksums, metadata, files, fs), index
-    if checksums:
-        raise ValueError(f"{store.location(name)}: this store cannot verify while it loads")
-    return store.dcp_reader(name), index
-
-
-def _remote_index(store: Any, name: str, manifest: Any) -> DcpIndex | None:
-    """The index of remote checkpoint ``name``'s ``.metadata`` when its manifest lists one:
-    downloaded alone (at most the bytes the manifest gives it) into a temporary folder that
-    is removed with the index."""
-    listed = ((manifest or {}).get("files") or {}).get(METADATA_INDEX)
-    if not isinstance(listed, dict) or not isinstance(listed.get("size"), int):
-        return None
-    tmp, index = tempfile.TemporaryDirectory(prefix="dcpkit-index-"), None
-    try:
-        folder, left = Path(tmp.name), listed["size"]
-        path = f"{name}/{METADATA_INDEX}"
-        with store.open_read(path) as src, open(folder / METADATA_INDEX, "wb") as dst:
-            while left > 0 and (block := src.read(min(left, CHUNK))):
-                dst.write(block)
-                left -= len(block)
-        stat = store.stat(f"{name}/{METADATA}")
-        index = bound_index(folder, manifest, stat.size if stat is not None else None)
-    except FileNotFoundError:  # listed but missing: the manifest check reports it
-        index = None
-    finally:
-        if index is None:
-            tmp.cleanup()
-        else:
-            weakref.finalize(index, tmp.cleanup)
-    return index
 
 
 _RNG_KEY = re.compile(rf"^{RNG}\.rank_(\d+)(\.|$)")

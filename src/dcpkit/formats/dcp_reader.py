@@ -22,6 +22,7 @@ import contextlib
 import io
 import itertools
 import os
+import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from dcpkit.dist import io_threads
-from dcpkit.formats import torchfile
+from dcpkit.formats import shared_read, torchfile
 from dcpkit.formats.dcp_index import Region
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.manifest import Problem
@@ -66,6 +67,9 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
             self.fs = fs
         self.files = files or LocalFiles(path)
         self.workers = 1
+        self.shared = False  # set when every rank loads at once: replicas read once (see below)
+        self.bytes_read = 0  # from storage, by this rank
+        self._count = threading.Lock()
         if metadata is not None:
             self.adopt_metadata(metadata)
         self.thread_count = thread_count or io_threads()
@@ -73,15 +77,18 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         self.problems: list[Problem] = []
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
-        items = []
+        items, transformed = [], False
         for item in plan.items:
             info = self.storage_data[item.storage_index]
-            if getattr(info, "transform_descriptors", None):
-                if self.checksums:
-                    raise ValueError("fused verification cannot read transformed storage")
-                return super().read_data(plan, planner)
+            transformed = transformed or bool(getattr(info, "transform_descriptors", None))
             items.append((info.relative_path, info.offset, info.length, item))
         items.sort(key=lambda x: (x[0], x[1]))
+        if self.shared and self._read_shared(items, planner, not transformed):
+            return _done()
+        if transformed:
+            if self.checksums:
+                raise ValueError("fused verification cannot read transformed storage")
+            return super().read_data(plan, planner)
         verified = {name: [e for e in items if e[0] == name] for name in self.checksums}
         rest = [e for e in items if e[0] not in self.checksums]
         units: list[Any] = [(self._verify_file, name, run) for name, run in verified.items()]
@@ -97,9 +104,30 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
                 futures = [pool.submit(self._guarded, fn, *a, planner) for fn, *a in units]
                 for future in futures:
                     future.result()
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
+        return _done()
+
+    def _read_shared(self, items: list[Any], planner: Any, can_share: bool) -> bool:
+        """Read with the other ranks, each record once (``shared_read``); False (nothing read)
+        when no record is needed by two ranks, or some rank cannot share."""
+        self.shared = False
+        records = sorted({(rel, offset, length) for rel, offset, length, _ in items})
+        plan = shared_read.exchange(can_share, records, sorted(self.checksums))
+        if plan is None:
+            return False
+        share = shared_read.SharedRead(self, plan, items, _load_item, _hash_range)
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            share.run(planner, stack)
+        self.bytes_read += share.bytes_read
+        self.problems += share.problems
+        if share.failed and not self.checksums:
+            raise ValueError("; ".join(share.failed[:3]))
+        self.problems += [Problem("", f"read failed: {m}") for m in share.failed]
+        return True
+
+    def join_failed(self) -> None:
+        """This rank failed before reading: join the exchange the others wait in, saying so."""
+        self.shared = False
+        shared_read.exchange(False, [], [])
 
     @torch.no_grad()  # grad mode is per thread: a DTensor's to_local is then a plain lookup
     def _guarded(self, fn: Any, *args: Any) -> None:
@@ -120,6 +148,8 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         # the tensors); the tensors' bytes through ``raw``, one seek per tensor, no buffer.
         records = [(offset, length) for _, offset, length, _ in run]
         with self.files.open(name, records, True, self.workers) as (f, raw, size):
+            with self._count:
+                self.bytes_read += size
             if self.files.parse_ahead:
                 _open_archives(f, size, run, archives, raw)
             pos, last = 0, -1
@@ -148,6 +178,8 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         for relative, group in itertools.groupby(run, key=lambda e: e[0]):  # sorted by file
             items = list(group)
             records = [(offset, length) for _, offset, length, _ in items]
+            with self._count:
+                self.bytes_read += sum(n for _, n in set(records))
             with self.files.open(relative, records, False, self.workers) as (f, _, size):
                 archives: dict[int, TorchSaveFile] = {}
                 for _, offset, length, item in items:
@@ -178,6 +210,12 @@ class LocalFiles:
         else:
             with open(path, "rb") as f:
                 yield f, f, os.fstat(f.fileno()).st_size
+
+
+def _done() -> Future[None]:
+    done: Future[None] = Future()
+    done.set_result(None)
+    return done
 
 
 def local_regions(template: dict[str, Any]) -> dict[str, list[Region] | None]:

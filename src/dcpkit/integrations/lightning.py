@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dcpkit import dist
 from dcpkit.engine.load import verify_everywhere
 from dcpkit.engine.publish import StepInfo, write_and_publish
-from dcpkit.engine.restore import dcp_reader
+from dcpkit.engine.reading import dcp_reader
 from dcpkit.engine.states import capture_rng, differing_states, rank_key, restore_rng
 from dcpkit.engine.values import check_storable
 from dcpkit.errors import CheckpointError

@@ -141,11 +141,6 @@ class Transport:
         self.read_into(path, start, memoryview(buf))
         return buf
 
-    def upload(self, path: str) -> Any:
-        """A stream uploading ``path`` in parallel parts as it is written."""
-        from dcpkit.storage.upload import PartUpload
-
-        return PartUpload(self, path)
 
 
 def _read_some(body: Any, view: memoryview) -> int:

@@ -160,7 +160,7 @@ def upload_file_system(fs: Any, transport: Transport, digests: dict[str, tuple[s
                     yield hashing
                     _record(hashing, path)
                 return
-            upload = transport.upload(str(fs._strip_protocol(str(path))))
+            upload = PartUpload(transport, str(fs._strip_protocol(str(path))))
             hashing = HashingStream(upload)
             try:
                 yield hashing
