@@ -296,7 +296,7 @@ def _plot(rows: list[dict], png: Path) -> None:
             ys = [row["gib"] / row[f"{who}_{op}_s"] for row in rows]
             ax.bar(xs, ys, width=0.25, label=label, color=f"C{i}")
         ax.set_xticks(range(len(rows)), [f"{row['ranks']} rank(s)" for row in rows])
-        ax.set_title(f"{op} to SeaweedFS (S3, loopback)")
+        ax.set_title(f"{op} {'to' if op == 'save' else 'from'} SeaweedFS (S3, loopback)")
         ax.set_ylabel("GiB/s")
     axes[0].legend()
     fig.tight_layout()

@@ -108,7 +108,11 @@ class SharedRead:
         for name in sorted({r[0] for r in mine} | set(self.reader.checksums)):
             whole = name in self.reader.checksums
             recs = [(r[1], r[2]) for r in mine if r[0] == name]
-            f, _, size = stack.enter_context(self.reader.files.open(name, recs, whole, 1))
+            try:
+                f, _, size = stack.enter_context(self.reader.files.open(name, recs, whole, 1))
+            except Exception as e:  # its records go out marked: no rank is left waiting
+                self.failed.append(f"{name}: {e}")
+                continue
             opened[name] = f
             if whole:
                 self.hashes[name] = [f, size, xxhash.xxh3_64(), 0]
@@ -127,7 +131,7 @@ class SharedRead:
         bufs: dict[Record, torch.Tensor] = {}
         for rec in batch:
             if self.owner[rec] == self.me:
-                bufs[rec] = self._read(rec, opened[rec[0]])
+                bufs[rec] = self._read(rec, opened.get(rec[0]))
         ops = []
         for i, rec in enumerate(batch):
             src, needers = self.owner[rec], [r for r in self.need[rec] if r != self.owner[rec]]
@@ -154,6 +158,8 @@ class SharedRead:
         buf = torch.zeros(length + 1, dtype=torch.uint8)
         view = memoryview(buf.numpy())[:-1]
         try:
+            if f is None:
+                raise ValueError("the file could not be opened")
             state = self.hashes.get(name)
             if state is not None:  # the bytes before the record, hashed only
                 self.bytes_read += max(0, offset - state[3])
@@ -169,7 +175,7 @@ class SharedRead:
             if state is not None:
                 state[2].update(view)
                 state[3] = offset + length
-        except (OSError, ValueError) as e:
+        except Exception as e:  # reported once every transfer has run
             buf[-1] = 1
             self.failed.append(f"{name}: {e}")
         return buf

@@ -37,7 +37,14 @@ from dcpkit.layout import (
     STAGING_SUFFIX,
     parse_step,
 )
-from dcpkit.manifest import CHECKSUM_ALGORITHM, CHUNK, Problem, parse_manifest, sealed_bytes
+from dcpkit.manifest import (
+    CHECKSUM_ALGORITHM,
+    CHUNK,
+    Problem,
+    checksum_stream,
+    parse_manifest,
+    sealed_bytes,
+)
 from dcpkit.safe_pickle import safe_reader
 from dcpkit.storage.base import (
     CheckpointStore,
@@ -51,8 +58,8 @@ from dcpkit.storage.base import (
 from dcpkit.storage.messages import explain, scrub
 from dcpkit.storage.randomness import imports_kept_off_stream
 from dcpkit.storage.randomness import isolate as isolate_randomness
-from dcpkit.storage.ranged import RemoteFiles, remote_files
-from dcpkit.storage.transfer import Transport
+from dcpkit.storage.ranged import RangeFile, RemoteFiles, remote_files
+from dcpkit.storage.transfer import READS_IN_FLIGHT, Transport
 from dcpkit.storage.upload import step_writer, upload_file_system
 
 _SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit
@@ -133,6 +140,11 @@ class FsspecStore(CheckpointStore):
     def open_read(self, name: str) -> BinaryIO:
         return self.fs.open(self._p(name), "rb", block_size=CHUNK)
 
+    def checksum(self, name: str) -> str:  # streamed by parallel ranged reads
+        size = self.size(name)
+        with RangeFile(self.transport, self._p(name), size, [(0, size)], [], READS_IN_FLIGHT) as f:
+            return checksum_stream(f)
+
     def read_bytes(self, name: str) -> bytes:  # one request (no HEAD first)
         return self.fs.cat_file(self._p(name))
 
@@ -191,9 +203,8 @@ class FsspecStore(CheckpointStore):
         return Transport(self.fs)
 
     def remote_files(self, name: str) -> tuple[RemoteFiles, Any]:
-        """The data files of checkpoint ``name`` as dcpkit's DCP reader opens them (streamed
-        by parallel ranged reads; their sizes from one listing), and DCP's file system for the
-        rest of what it reads."""
+        """``name``'s files as dcpkit's DCP reader opens them (parallel ranged reads, sizes
+        from one listing), and DCP's file system for the rest of what it reads."""
         try:
             entries = self.fs.ls(self._p(name), detail=True, refresh=True)
         except FileNotFoundError:

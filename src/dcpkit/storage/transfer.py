@@ -142,7 +142,6 @@ class Transport:
         return buf
 
 
-
 def _read_some(body: Any, view: memoryview) -> int:
     data = body.read(len(view))
     view[: len(data)] = data
