@@ -53,3 +53,25 @@ def test_a_replicated_resume_reads_the_checkpoint_once_and_is_bitwise(layout, tm
     stored = sum(p.stat().st_size for p in Path(step).glob("*.distcp"))
     assert ratio <= 1.05, (ratio, found.group(0), stored)
     assert ratio >= 0.99  # every byte of the data files read (and checksummed) once
+
+
+def test_a_corrupted_file_in_a_shared_load_is_named_and_no_rank_waits(tmp_path):
+    """A flipped bit in one rank's file of a replicated checkpoint: the rank that reads it for
+    everyone finds the checksum wrong, the others load what it sent, and every rank stops with
+    the file named (no rank left waiting in a transfer)."""
+    args = (
+        *STEPS,
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    )
+    run_train(2, tmp_path, *args, "--training.stop_at_step", "4")
+    target = tmp_path / "checkpoint" / "step-4" / "__1_0.distcp"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    target.write_bytes(bytes(data))
+    proc = run_train(2, tmp_path, *args, check=False, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "__1_0.distcp" in out and "checksum mismatch" in out, out[-3000:]

@@ -124,22 +124,50 @@ class Transport:
             )
         except Exception as e:
             raise translated(e, path) from None
-        body = response["Body"]
+        length, given = response.get("ContentLength"), str(response.get("ContentRange", ""))
+        if length != len(view) and not given.startswith(f"bytes {start}-{end}/"):
+            response["Body"].close()  # a server that ignored the range, or answered another
+            raise EOFError(f"{path}: asked for bytes {start}-{end}, got {length} ({given})")
+        body, got = response["Body"], 0
+        reader = _socket_reader(body)  # straight into ``view``: no bytes object per read
         try:
-            raw = getattr(body, "_raw_stream", None)
-            got = 0
             while got < len(view):
-                n = raw.readinto(view[got:]) if raw is not None else _read_some(body, view[got:])
+                n = reader(view[got:])
                 if not n:
                     raise EOFError(f"{path}: the object ends at byte {start + got}")
                 got += n
         finally:
-            body.close()
+            _finish(body, reader, got)
 
     def read(self, path: str, start: int, end: int) -> bytearray:
         buf = bytearray(end - start)
         self.read_into(path, start, memoryview(buf))
         return buf
+
+
+def _socket_reader(body: Any) -> Any:
+    """``readinto`` of the HTTP response under botocore's body when its bytes arrive as they
+    are (no content encoding): received into the caller's buffer. Else the body's own read."""
+    raw = getattr(body, "_raw_stream", None)  # urllib3's response
+    fp = getattr(raw, "_fp", None)  # http.client's
+    plain = raw is not None and not raw.headers.get("content-encoding")
+    if plain and getattr(raw, "_decoder", None) is None and hasattr(fp, "readinto"):
+        return fp.readinto
+    if raw is not None:
+        return raw.readinto
+    return lambda view: _read_some(body, view)
+
+
+def _finish(body: Any, reader: Any, got: int) -> None:
+    """Done with ``body``: its connection back to the pool when every byte was read through
+    http.client (urllib3 then counts them as read), else closed."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if fp is not None and reader == getattr(fp, "readinto", None) and fp.isclosed():
+        raw._fp_bytes_read += got
+        raw.release_conn()
+        return
+    body.close()
 
 
 def _read_some(body: Any, view: memoryview) -> int:
