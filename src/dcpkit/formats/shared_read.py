@@ -105,11 +105,13 @@ class SharedRead:
         records = sorted(self.need)
         mine = [r for r in records if self.owner[r] == self.me]
         opened: dict[str, Any] = {}
-        for name in sorted({r[0] for r in mine} | set(self.reader.checksums)):
+        names = sorted({r[0] for r in mine} | set(self.reader.checksums))
+        for name in names:  # read side by side: they share the rank's parts in flight
             whole = name in self.reader.checksums
             recs = [(r[1], r[2]) for r in mine if r[0] == name]
             try:
-                f, _, size = stack.enter_context(self.reader.files.open(name, recs, whole, 1))
+                opening = self.reader.files.open(name, recs, whole, len(names))
+                f, _, size = stack.enter_context(opening)
             except Exception as e:  # its records go out marked: no rank is left waiting
                 self.failed.append(f"{name}: {e}")
                 continue
