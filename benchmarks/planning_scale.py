@@ -319,7 +319,8 @@ def _index_side(metadata, written: bytes, plans: list, world: int) -> dict:  # t
 
     import xxhash
 
-    from dcpkit.formats.dcp_index import DcpIndex, encode_index
+    from dcpkit.formats.dcp_index import DcpIndex
+    from dcpkit.formats.dcp_index_write import encode_index
     from dcpkit.formats.structure import index_problems
 
     t0 = time.perf_counter()

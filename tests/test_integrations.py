@@ -20,9 +20,15 @@ pytestmark = pytest.mark.dist
 
 
 def run_example(
-    cwd: Path, name: str, *args: str, env: dict[str, str] | None = None, ok: bool = True
+    cwd: Path,
+    name: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    ok: bool = True,
+    logs: list[str] | None = None,
 ) -> dict[int, str]:
-    """The example's printed losses by step (its `step N loss X` lines)."""
+    """The example's printed losses by step (its `step N loss X` lines); ``logs`` gets its
+    output."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(ROOT / "examples" / name), *args],
@@ -32,6 +38,8 @@ def run_example(
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     else:
         assert proc.returncode != 0, "the run was to be killed"
+    if logs is not None:
+        logs.append(proc.stdout + proc.stderr)
     return {int(m[0]): m[1] for m in re.findall(r"^step (\d+) loss (\S+)$", proc.stdout, re.M)}
 
 
@@ -205,9 +213,11 @@ def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
     assert torch.equal(back["state_dict"]["model.w"], torch.arange(6.0).reshape(2, 3))
 
 
-def run_titan(cwd: Path, *args: str, env: dict[str, str] | None = None, ok: bool = True):
+def run_titan(
+    cwd: Path, *args: str, env: dict[str, str] | None = None, ok: bool = True, logs=None
+):
     cache = {"HF_DATASETS_CACHE": str(cwd / "hf-datasets"), **(env or {})}
-    return run_example(cwd, "torchtitan_train.py", *args, env=cache, ok=ok)
+    return run_example(cwd, "torchtitan_train.py", *args, env=cache, ok=ok, logs=logs)
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +239,15 @@ def test_torchtitan_trainer_resumes_bitwise_and_interchanges_with_its_own_manage
     folder = mine / "outputs" / "torchtitan" / "checkpoint"
     assert (folder / "step-4" / "dcpkit.json").is_file()
     shutil.copytree(mine, theirs)
-    assert_resumed(full, run_titan(mine), 5)  # dcpkit resumes dcpkit's
+    logs: list[str] = []
+    assert_resumed(full, run_titan(mine, logs=logs), 5)  # dcpkit resumes dcpkit's
+    # ... and its first save, step 6, planned nothing: the plans of step 4 (the same layout)
+    assert "checkpoint: this save takes its plans from step 4" in logs[0], logs[0][-3000:]
+    again = tmp_path / "again"
+    shutil.copytree(mine, again, ignore=shutil.ignore_patterns("step-8"))
+    assert (again / "outputs" / "torchtitan" / "checkpoint" / "step-6" / ".metadata").is_file()
+    resumed = run_titan(again, env={"CHECKPOINTER": "torchtitan"})  # TorchTitan's DCP loader
+    assert_resumed(full, resumed, 7)
     resumed = run_titan(theirs, env={"CHECKPOINTER": "torchtitan"})  # TorchTitan's, dcpkit's
     assert_resumed(full, resumed, 5)
     own = tmp_path / "own"

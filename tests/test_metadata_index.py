@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import cli
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -22,9 +21,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from conftest import cli
 from dcpkit import CheckpointConfig, CheckpointManager
 from dcpkit.errors import CheckpointError
-from dcpkit.formats.dcp_index import DcpIndex, encode_index
+from dcpkit.formats.dcp_index import DcpIndex
+from dcpkit.formats.dcp_index_write import encode_index
 from dcpkit.manifest import CHECKSUM_ALGORITHM, SEAL, sealed_bytes
 from dcpkit.safe_pickle import UnsafeCheckpoint
 
@@ -135,6 +136,20 @@ def _patched(path: Path, at: int, data: bytes) -> None:
     path.write_bytes(bytes(raw))
 
 
+def test_the_index_records_each_keys_place_in_the_state_dict(tmp_path):
+    """DCP's ``planner_data`` (a key's path in the nested state dict), which a restart's first
+    save takes with the checkpoint's plans; an index without it (written before it was
+    recorded, or from metadata without it) says it has none."""
+    md = _metadata()
+    assert DcpIndex(_write(tmp_path, md, "plain")).planner_data() is None
+    paths = {fqn: tuple(fqn.split(".")) for fqn in md.state_dict_metadata}
+    paths["lr"] = ("optimizer", "param_groups", 0, "lr")
+    md.planner_data = paths
+    index = DcpIndex(_write(tmp_path, md))
+    assert index.planner_data() == paths
+    assert index.stored_entries() == len(md.storage_data)
+
+
 def test_a_damaged_or_hostile_index_is_an_error_naming_it(tmp_path):
     good = _write(tmp_path, _metadata()).read_bytes()
     header_len = int.from_bytes(good[8:16], "little")
@@ -173,6 +188,9 @@ def test_a_damaged_or_hostile_index_is_an_error_naming_it(tmp_path):
     keys = [dict(e) for e in header["keys"]]
     del keys[1]["size"]
     fails(with_header(keys=keys), "lacks or mistypes")
+    keys = [dict(e) for e in header["keys"]]
+    keys[0]["p"] = {"__reduce__": "os.system"}  # a state-dict path is a list of keys
+    fails(with_header(keys=keys), "has the path")
     # A row naming a file the index has not, or lying outside its tensor.
     rows_at = tables + header["keys"][0]["at"] + 8 * header["keys"][0]["n"]
     bad = bytearray(good)

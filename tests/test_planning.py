@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_script
+from conftest import cli, run_script
 from dcpkit.engine import planning
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,3 +140,38 @@ def test_a_small_value_stored_many_times_is_serialized_once(tmp_path, monkeypatc
     assert tuple(b["betas"]) == (0.8, 0.9) and tuple(a["betas"]) == (0.9, 0.999)
     for p, q in zip(opt.state.values(), opt2.state.values()):
         assert torch.equal(p["exp_avg"], q["exp_avg"])
+
+
+def _ranks(proc) -> list[dict]:  # type: ignore[no-untyped-def, type-arg]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not planning.CACHING, reason="this torch's DCP cannot cache save plans")
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_a_restart_at_the_same_layout_plans_nothing(tmp_path, mode):
+    """A user's loop stopped and started again: the restart's first save takes its plans from
+    the checkpoint it resumed from (0 plannings), and DCP's own `dcp.load` and `dcpkit verify`
+    read what it wrote; a rank whose state changes later makes every rank plan again; a restart
+    at another world size plans as usual."""
+    folder = tmp_path / "ckpt"
+    first = _ranks(run_script(2, "restart_plans.py", str(folder), "first", mode))
+    assert [r["plans"] for r in first] == [[1, 1], [0, 0]]  # rank 0 plans once, then cached
+    proc = run_script(2, "restart_plans.py", str(folder), "restart", mode)
+    restart = _ranks(proc)
+    # step 3 planned by step 2's checkpoint; at step 4 rank 1's state gains a key: all plan
+    assert [r["plans"] for r in restart] == [[0, 1], [0, 0]], restart
+    assert "save takes its plans from step 2" in proc.stderr + proc.stdout
+    for step in (3, 4):
+        assert cli("verify", str(folder / f"step-{step}")).returncode == 0
+        check = _ranks(run_script(2, "restart_plans.py", str(folder), "check", mode, str(step)))
+        assert [r["step"] for r in check] == [step, step]
+        assert all(r["bitwise"] for r in check), check
+        assert [r["reader"]["position"] for r in check] == [step, 100 + step]
+    assert check[0]["stored_reader"] == [  # rank 1's new key is in step 4's metadata
+        "reader.rank_0.position", "reader.rank_1.extra", "reader.rank_1.position"
+    ]
+    other = run_script(1, "restart_plans.py", str(folder), "restart", mode)
+    assert [r["plans"] for r in _ranks(other)] == [[1, 1]]  # another world size: planned
+    assert "the layout differs from step 4's" in other.stderr + other.stdout

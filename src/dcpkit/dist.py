@@ -87,6 +87,17 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
+def all_sum(values: list[int], group: Any = None) -> list[int]:
+    """``values`` summed over the ranks of ``group`` (one all-reduce of a few integers)."""
+    if not is_dist():
+        return list(values)
+    backend = str(dist.get_backend(group))
+    cpu = "gloo" in backend or "mpi" in backend
+    box = torch.tensor(values, dtype=torch.int64, device="cpu" if cpu else "cuda")
+    dist.all_reduce(box, group=group)
+    return [int(v) for v in box.tolist()]
+
+
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     if not is_dist():
         return obj

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from dcpkit import dist
 from dcpkit.engine import planning
+from dcpkit.engine.plan_seed import Seed
 from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.staged import StagedPlanner, StagedStep
 from dcpkit.engine.writer_process import WriterProcess
@@ -87,8 +88,9 @@ class AsyncCheckpointer:
 
     # -- the manager's calls
 
-    def save(self, state: dict[str, Any], info: StepInfo) -> None:
-        """Start an asynchronous save of ``state``; returns once the copy has been started."""
+    def save(self, state: dict[str, Any], info: StepInfo, seed: Seed | None = None) -> None:
+        """Start an asynchronous save of ``state``; returns once the copy has been started.
+        ``seed``: the checkpoint a restart resumed from, whose plans its first save takes."""
         self.wait()
         flat, mappings = flatten_state_dict(state)
         items: list[WriteItem] = []
@@ -109,7 +111,7 @@ class AsyncCheckpointer:
                     objects[fqn] = copy.deepcopy(obj)
                 items.extend(self._write_items(fqn, obj))
         new_buffers = self._ensure_buffers(sources)
-        staged = StagedStep(info, items, mappings, objects, self.plan_key)
+        staged = StagedStep(info, items, mappings, objects, self.plan_key, seed)
         self._staged.clear()
         self._copy_error = None
         on_device = any(src.is_cuda for src in sources.values())
@@ -280,7 +282,7 @@ class AsyncCheckpointer:
             doomed = write_and_publish(
                 staged.info,
                 {},
-                planner=StagedPlanner(staged, self.buffers),
+                planner=StagedPlanner(staged, self.buffers, self.group),
                 group=self.group,
                 delete_now=False,
             ).doomed

@@ -29,12 +29,7 @@ from dcpkit.engine.preempt import Preemption
 from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.restore import HFCodec, restore
 from dcpkit.engine.save import Saver, check_config, check_replacement, collect, mesh_info
-from dcpkit.engine.states import (
-    ModelState,
-    Stateful,
-    check_same_on_every_rank,
-    collect_states,
-)
+from dcpkit.engine.states import ModelState, Stateful, check_same_on_every_rank, collect_states
 from dcpkit.layout import MODEL, RNG, step_name
 from dcpkit.storage import open_location, open_store
 
@@ -135,6 +130,8 @@ class CheckpointManager:
         )
         self.loaded_step = plan.step
         self._resumed_from = plan.step if plan.own and not plan.model_only else None
+        if self._saver is not None and self._resumed_from is not None:  # its plans, for a save
+            self._saver.resumed(self._read, plan.step)
         return plan.step
 
     def load_from(self, path: str | Path, model_only: bool = False) -> list[str]:
@@ -152,6 +149,7 @@ class CheckpointManager:
         own_rank: bool = False,
         **reader: Any,  # checksums, metadata, index: see restore()
     ) -> list[str]:
+        self._read: dict[str, Any] = {}  # what the load read by (its index)
         return restore(
             store,
             name,
@@ -162,6 +160,7 @@ class CheckpointManager:
             rng=self.save_rng,
             hf=self.hf_model,
             own_rank=own_rank,
+            seen=self._read,
             **reader,
         )
 

@@ -31,6 +31,7 @@ import dataclasses
 import inspect
 import io
 import itertools
+import logging
 from collections import ChainMap, Counter
 from typing import Any
 
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     create_default_global_save_plan,
+    create_default_local_save_plan,
 )
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -45,14 +47,22 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
+from dcpkit import dist
 from dcpkit.dist import paused_gc
+from dcpkit.engine import plan_seed
+from dcpkit.engine.plan_seed import Seed
 from dcpkit.formats.structure import chunk_problems
+
+logger = logging.getLogger(__name__)
 
 CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
 """Whether this torch's DCP can cache save plans."""
 
 _keys = itertools.count()
 _global_plans: Counter[str] = Counter()
+_seeded: set[str] = set()
+"""Keys whose cache came from a checkpoint (``plan_seed``): the coordinator holds no rank's
+plan, so a save where any rank's plan changed plans in full on every rank."""
 
 
 _SCALARS = (int, float, bool, str, bytes, type(None))
@@ -82,6 +92,7 @@ def global_plans(key: str) -> int:
 
 def forget(key: str) -> None:
     """Drop the plans cached under ``key`` (the coordinator holds every rank's)."""
+    _seeded.discard(key)
     for cache in (
         "_cached_save_plan",
         "_cached_final_save_plan",
@@ -96,12 +107,17 @@ class CachingPlanner(DefaultSavePlanner):
     """DCP's default save planner, with its plans cached under ``key`` and its global plannings
     counted."""
 
-    def __init__(self, key: str, **kwargs: Any) -> None:
+    def __init__(
+        self, key: str, seed: Seed | None = None, group: Any = None, **kwargs: Any
+    ) -> None:
         if CACHING:
             kwargs["enable_plan_caching"] = True
         super().__init__(**kwargs)
         self._cached_plans_key = key  # DCP's own cache key, one per saver
         self._serialized: dict[Any, bytes] = {}  # a small value's key -> its torch.save bytes
+        self.seed = seed  # the checkpoint a restart resumed from: its first save's plans
+        self.group = group  # the save's process group
+        self._seeded_final: SavePlan | None = None
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         """DCP's ``torch.save`` of a stored value, made once per distinct small value of a
@@ -133,6 +149,18 @@ class CachingPlanner(DefaultSavePlanner):
             raise ValueError(f"the global save plan is invalid: {summary[:500]}")
         return global_plan, metadata
 
+    def create_local_plan(self) -> SavePlan:
+        plan = create_default_local_save_plan(self.state_dict, self.is_coordinator)
+        if self.flatten_state_dict:
+            plan = dataclasses.replace(plan, planner_data=self.mappings)
+        return self.cached_local_plan(plan)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if self._seeded_final is not None:  # this rank's share of the checkpoint's plan
+            new_plan = dataclasses.replace(self._seeded_final, storage_data=new_plan.storage_data)
+            self._seeded_final = None
+        return super().finish_plan(new_plan)
+
     def create_global_plan(self, all_plans: list[SavePlan]) -> Any:
         if not hasattr(DefaultSavePlanner, "_create_global_plan"):  # an older DCP: count here
             _global_plans[self._cached_plans_key] += 1
@@ -146,11 +174,55 @@ class CachingPlanner(DefaultSavePlanner):
             return plan
         from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 
-        cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
-        if cached is not None and _compare_save_plans(plan, cached):
+        key = self._cached_plans_key
+        cached = SavePlanner._cached_save_plan.get(key)
+        if self.seed is not None and self._plan_from_seed(plan, self.seed):  # on every rank
             return SavePlan([], usable=False)
         self._pending_local_plan = plan  # promoted to the cache once the save's plan succeeded
+        if key in _seeded:  # every rank's plan unchanged, or every rank plans in full
+            unchanged = cached is not None and _compare_save_plans(plan, cached)
+            if dist.all_sum([0 if unchanged else 1], self.group)[0] == 0:
+                return SavePlan([], usable=False)
+            forget(key)
+            return plan
+        if cached is not None and _compare_save_plans(plan, cached):
+            return SavePlan([], usable=False)
         return plan
+
+    def _plan_from_seed(self, plan: SavePlan, seed: Seed) -> bool:
+        """Every rank: take this save's plans and metadata from the checkpoint the run resumed
+        from, when every rank's plan matches it (``plan_seed``); one all-reduce decides."""
+        index = plan_seed.open_index(seed)
+        rank = dist.rank()
+        taken = None
+        if index is not None and seed.world == dist.world_size():
+            taken = plan_seed.claim(plan, index, rank)
+        stored = index.stored_entries() if index is not None else -1
+        failed, claimed = dist.all_sum([taken is None, len(taken or ())], self.group)
+        if failed or claimed != stored:
+            if rank == 0:
+                logger.info(
+                    "checkpoint: the first save plans: the layout differs from step %d's "
+                    "(%d of %d ranks match it; %d of its %d entries taken)",
+                    seed.step, dist.world_size() - failed, dist.world_size(), claimed, stored,
+                )  # fmt: skip
+            return False
+        assert index is not None and taken is not None
+        key = self._cached_plans_key
+        self._pending_local_plan = plan
+        self._seeded_final = SavePlan(taken, planner_data=plan.planner_data)
+        if self.is_coordinator:  # what a global planning would have made, and nothing to merge
+            empty = [SavePlan([], usable=False)] * dist.world_size()
+            SavePlanner._cached_all_plans[key] = empty
+            SavePlanner._cached_global_plan[key] = empty
+            SavePlanner._cached_metadata[key] = plan_seed.global_metadata(index)
+        _seeded.add(key)
+        if rank == 0:
+            logger.info(
+                "checkpoint: this save takes its plans from step %d (the same layout on every "
+                "rank, %d entries): nothing planned", seed.step, stored,
+            )  # fmt: skip
+        return True
 
 
 def validate_global_plan(metadata: Metadata, n_plans: int) -> list[str]:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcpkit import dist, failpoints
 from dcpkit.engine.policy import steps_to_delete
 from dcpkit.errors import CheckpointError, disk_full, first_failure
-from dcpkit.formats.dcp_index import encode_index
+from dcpkit.formats.dcp_index_write import encode_index
 from dcpkit.layout import METADATA, METADATA_INDEX, step_name
 from dcpkit.manifest import CHECKSUM_ALGORITHM, build_manifest
 from dcpkit.units import human_bytes

@@ -72,6 +72,7 @@ def restore(
     checksums: dict[str, str] | None = None,
     metadata: Any = None,
     index: DcpIndex | None = None,
+    seen: dict[str, Any] | None = None,
 ) -> list[str]:
     """Load checkpoint ``name`` of ``store`` into the live state; returns the pieces restored.
     ``checksums``: this rank's share of the files to verify as they are read; a mismatch
@@ -100,6 +101,8 @@ def restore(
     except UnsafeCheckpoint as e:
         raise CheckpointError(str(e)) from None
     saved = set(metadata.state_dict_metadata)
+    if seen is not None:  # what the load read by, for the next save (``Saver.resumed``)
+        seen.update(index=index, world=(manifest or {}).get("world_size"))
 
     def has_group(group: str) -> bool:
         prefix = group + "."

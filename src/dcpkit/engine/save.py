@@ -17,6 +17,7 @@ from dcpkit import dist
 from dcpkit.config import ConfigError
 from dcpkit.engine import planning
 from dcpkit.engine.async_save import AsyncCheckpointer
+from dcpkit.engine.plan_seed import Seed
 from dcpkit.engine.policy import config_problem, replacing_problem, steps_to_delete
 from dcpkit.engine.publish import Published, StepInfo, delete_steps, write_and_publish
 from dcpkit.engine.restore import HFCodec
@@ -154,10 +155,24 @@ class Saver:
         if async_mode != "disabled":
             self.async_ckpt = AsyncCheckpointer(async_mode, self._retire, self.plan_key)
         self.last_checksum_s = 0.0
+        self._seed: Seed | None = None
+        self._seed_index: Any = None  # a downloaded index lives as long as this reference
+
+    def resumed(self, read: dict[str, Any], step: int) -> None:
+        """After a full load of this folder's ``step`` (``read``: what the load read by): the
+        next durable save takes its plans from that checkpoint when the layout is the same."""
+        index, world = read.get("index"), read.get("world")
+        self._seed_index = index
+        ok = index is not None and isinstance(world, int)
+        self._seed = Seed(str(index.path), world, step) if ok else None
+
+    def _take_seed(self) -> Seed | None:
+        seed, self._seed = self._seed, None
+        return seed
 
     def save_async(self, state: dict[str, Any], info: StepInfo) -> None:
         assert self.async_ckpt is not None
-        self.async_ckpt.save(state, info)
+        self.async_ckpt.save(state, info, self._take_seed())
 
     def save_sync(self, state: dict[str, Any], info: StepInfo, hf: HFCodec | None = None) -> None:
         """Write and publish now (draining an asynchronous save first)."""
@@ -165,7 +180,7 @@ class Saver:
         if hf is not None:
             published = write_hf_step(info, state, hf)
         else:
-            planner = planning.CachingPlanner(self.plan_key)
+            planner = planning.CachingPlanner(self.plan_key, self._take_seed())
             published = write_and_publish(info, state, planner=planner, delete_now=False)
         self.last_checksum_s = published.checksum_s
         if published.doomed:

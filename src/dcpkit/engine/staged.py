@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from dcpkit.engine.plan_seed import Seed
 from dcpkit.engine.planning import CachingPlanner
 from dcpkit.engine.publish import StepInfo
 
@@ -23,14 +24,18 @@ class StagedStep:
     objects: dict[str, Any]
     plan_key: str = ""
     """The plan cache of the saver (``engine.planning``)."""
+    seed: Seed | None = None
+    """The checkpoint a restart resumed from, for its first save (``engine.plan_seed``)."""
 
 
 class StagedPlanner(CachingPlanner):
     """A save planner over staged buffers: the write items were computed from the live state
     (DTensor shards keep their global offsets), the data comes from the buffers."""
 
-    def __init__(self, staged: StagedStep, buffers: dict[str, torch.Tensor]) -> None:
-        super().__init__(staged.plan_key)
+    def __init__(
+        self, staged: StagedStep, buffers: dict[str, torch.Tensor], group: Any = None
+    ) -> None:
+        super().__init__(staged.plan_key, staged.seed, group)
         self.staged = staged
         self.buffers = buffers
 

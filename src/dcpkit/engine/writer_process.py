@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -45,7 +46,7 @@ class WriterProcess:
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
             target=_writer_main,
-            args=(child_conn, addr, port, rank, world, os.getpid()),
+            args=(child_conn, addr, port, rank, world, os.getpid(), _log_level()),
             daemon=True,
             name=f"dcpkit-writer-{rank}",
         )
@@ -155,8 +156,17 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _writer_main(conn: Any, addr: str, port: int, rank: int, world: int, parent: int) -> None:
+def _log_level() -> int:
+    """The level dcpkit's messages are shown at here (none shown: WARNING, Python's default)."""
+    shown = logging.getLogger("dcpkit").getEffectiveLevel()
+    return shown if logging.getLogger().handlers else logging.WARNING
+
+
+def _writer_main(
+    conn: Any, addr: str, port: int, rank: int, world: int, parent: int, level: int
+) -> None:
     _die_with_parent(parent)
+    logging.basicConfig(level=level)  # the writer's messages shown as the trainer's are
     torch.set_num_threads(1)
     group = None
     if world > 1:
@@ -192,7 +202,7 @@ def _writer_main(conn: Any, addr: str, port: int, rank: int, world: int, parent:
                 published = write_and_publish(
                     staged.info,
                     {},
-                    planner=StagedPlanner(staged, buffers),
+                    planner=StagedPlanner(staged, buffers, group),
                     group=group,
                     kill_pid=parent,
                     delete_now=False,

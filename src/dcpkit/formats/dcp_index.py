@@ -30,7 +30,6 @@ import mmap
 import os
 import struct
 import sys
-from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,84 +57,6 @@ def _plain_properties(props: Any) -> bool:
         and not getattr(props, "pin_memory", False)
         and isinstance(getattr(props, "dtype", None), torch.dtype)
     )
-
-
-def encode_index(md: Any, metadata_size: int, metadata_xxh3: str) -> bytes | None:
-    """The index of ``md`` (a ``.metadata`` of ``metadata_size`` bytes with that checksum); None
-    when it holds what the index does not express (storage transforms, a chunk without storage,
-    a tensor of another layout): such a checkpoint is loaded from its ``.metadata``."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from dcpkit.dist import paused_gc
-
-    files: dict[str, int] = {}
-    entries: list[dict[str, Any]] = []
-    tables = array("q")
-    with paused_gc():
-        # (fqn, offsets) -> storage: one pass over the entries, without building a
-        # MetadataIndex (a dataclass hashed in Python) per chunk
-        stored = {(k.fqn, k.offset): v for k, v in (md.storage_data or {}).items()}
-        for fqn, tmd in md.state_dict_metadata.items():
-            if not isinstance(tmd, TensorStorageMetadata):
-                info = stored.get((fqn, None))
-                if info is None or getattr(info, "transform_descriptors", None):
-                    return None
-                f = files.setdefault(info.relative_path, len(files))
-                entries.append({"k": fqn, "b": [f, info.offset, info.length]})
-                continue
-            if not _plain_properties(tmd.properties):
-                return None
-            ndim = len(tmd.size)
-            rows: list[tuple[Any, Any, Any]] = []
-            for chunk in tmd.chunks:
-                info = stored.get((fqn, chunk.offsets))
-                if info is None or getattr(info, "transform_descriptors", None):
-                    return None
-                rows.append((chunk.offsets, chunk.sizes, info))
-            dim = _sort_dim(rows, ndim)
-            if ndim:
-                rows.sort(key=lambda r: r[0][dim])
-            entries.append(
-                {
-                    "k": fqn,
-                    "dtype": str(tmd.properties.dtype).removeprefix("torch."),
-                    "grad": bool(tmd.properties.requires_grad),
-                    "size": [int(s) for s in tmd.size],
-                    "n": len(rows),
-                    "dim": dim,
-                    "max": max((r[1][dim] for r in rows), default=0) if ndim else 0,
-                    "at": len(tables) * 8,
-                }
-            )
-            tables.extend([r[0][dim] for r in rows] if ndim else [0] * len(rows))
-            for off, sizes, info in rows:
-                f = files.get(info.relative_path)
-                if f is None:
-                    f = files[info.relative_path] = len(files)
-                tables.extend(off)
-                tables.extend(sizes)
-                tables.extend((f, info.offset, info.length))
-    if sys.byteorder != "little":
-        tables.byteswap()
-    header = json.dumps(
-        {
-            "version": 1,
-            "metadata": {"bytes": metadata_size, "xxh3": metadata_xxh3},
-            "files": list(files),
-            "keys": entries,
-            "tables_bytes": len(tables) * 8,
-        },
-        separators=(",", ":"),
-    ).encode()
-    pad = b"\0" * (-(len(MAGIC) + 8 + len(header)) % 8)
-    return MAGIC + struct.pack("<Q", len(header)) + header + pad + tables.tobytes()
-
-
-def _sort_dim(rows: list[tuple[Any, Any, Any]], ndim: int) -> int:
-    """The dimension with the most distinct chunk offsets (FSDP's rows, or TP's columns)."""
-    if ndim == 0 or not rows:
-        return 0
-    return max(range(ndim), key=lambda d: len({r[0][d] for r in rows}))
 
 
 class DcpIndex:
@@ -189,11 +110,17 @@ class DcpIndex:
             raise self._bad(why) from None
 
     def _checked_entry(self, e: dict[str, Any], tables: int) -> dict[str, Any]:
+        path = e.get("p")  # the key's place in the nested state dict (DCP's planner_data)
+        if path is not None and not (
+            isinstance(path, list) and all(type(p) in (str, int) for p in path)
+        ):
+            raise self._bad(f"the entry of {e['k']!r} has the path {path!r}")
+        path = tuple(path) if path is not None else None
         if "b" in e:
             f, offset, length = (int(v) for v in e["b"])
             if not (0 <= f < len(self.files) and offset >= 0 and length >= 0):
                 raise self._bad(f"the entry of {e['k']!r} is out of range")
-            return {"b": (f, offset, length)}
+            return {"b": (f, offset, length), "p": path}
         size = [int(s) for s in e["size"]]
         n, at, dim, top = int(e["n"]), int(e["at"]), int(e["dim"]), int(e["max"])
         ndim = len(size)
@@ -206,7 +133,7 @@ class DcpIndex:
         if not (0 <= dim < max(ndim, 1)) or top < 0:
             raise self._bad(f"the entry of {e['k']!r} names dimension {dim}")
         return {"size": size, "dtype": dtype, "grad": bool(e["grad"]), "n": n, "at": at,
-                "dim": dim, "max": top}  # fmt: skip
+                "dim": dim, "max": top, "p": path}  # fmt: skip
 
     @contextlib.contextmanager
     def mapped(self) -> Iterator[None]:
@@ -227,6 +154,16 @@ class DcpIndex:
 
     def keys(self) -> Iterable[str]:
         return self.entries.keys()
+
+    def planner_data(self) -> dict[str, tuple[Any, ...]] | None:
+        """Each key's place in the nested state dict (DCP's ``planner_data``), when the index
+        records every key's (indexes written before it was recorded do not)."""
+        paths = {k: e["p"] for k, e in self.entries.items()}
+        return None if None in paths.values() else paths  # type: ignore[return-value]
+
+    def stored_entries(self) -> int:
+        """How many storage entries the checkpoint holds: a chunk each, a value each."""
+        return sum(e.get("n", 1) for e in self.entries.values())
 
     def _table(self, e: dict[str, Any]) -> tuple[memoryview, memoryview, int]:
         """A tensor's sort keys and rows (flat), as 64-bit integers, and the row width."""
