@@ -40,6 +40,7 @@ import io
 import json
 import math
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -251,7 +252,7 @@ def cell(flavor: str, world: int, stock: bool) -> dict:
     check_s = time.perf_counter() - t0
     assert not problems, problems[:3]
     del parsed
-    index = _index_side(metadata, written, plans, world)
+    index = _index_side(metadata, written, plans, final, world)
     del written
     kept = sum(len(p.items) for p in final)
     # The second save of the same shapes: every rank's local plan is unchanged and sent empty.
@@ -302,15 +303,17 @@ METRICS = (
     "index_bytes",
     "load_index_s",
     "index_check_s",
+    "restart_claim_s",
+    "restart_metadata_s",
 )
 
 
-PER_RANK = ("load_index_s", "index_check_s")
+PER_RANK = ("load_index_s", "index_check_s", "restart_claim_s")
 """What one rank pays with the index: about constant in the ranks, extrapolated along a
 log-log fit of the measured cells (a straight line through them would turn negative)."""
 
 
-def _index_side(metadata, written: bytes, plans: list, world: int) -> dict:  # type: ignore[type-arg]
+def _index_side(metadata, written: bytes, plans: list, final: list, world: int) -> dict:  # type: ignore[type-arg]
     """The index of ``.metadata`` (``written``): what the save's coordinator pays to make it,
     and what one rank of a load at the same layout pays to read its own entries from it and to
     check its share of the structure (a verified load), the data files stood in by sparse files
@@ -356,7 +359,9 @@ def _index_side(metadata, written: bytes, plans: list, world: int) -> dict:  # t
             checks.append(time.perf_counter() - t0)
             assert not problems, problems[:3]
         load_s, check_s = sorted(loads)[1], sorted(checks)[1]
+        restart = _restart_side(index, plans, final, rank, world)
     return {
+        **restart,
         "index_s": index_s,
         "index_bytes": len(data),
         "load_index_s": load_s,
@@ -365,6 +370,88 @@ def _index_side(metadata, written: bytes, plans: list, world: int) -> dict:  # t
             len(getattr(m, "chunks", ())) for m in mine.state_dict_metadata.values()
         ),
     }
+
+
+def _restart_side(index, plans: list, final: list, rank: int, world: int) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """A restart's first save at the same layout (``engine/plan_seed.py``): what one rank pays
+    to take its plan from the index (the median of three; its items are checked to be the ones
+    the coordinator's planning gave it) and what the coordinator pays to build the metadata
+    from the index; no plans gathered but DCP's empty ones. Up to 64 ranks every rank's share
+    is taken, and together they are checked to hold every stored entry exactly once."""
+    from dcpkit.engine import plan_seed
+
+    claims = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        taken = plan_seed.claim(plans[rank], index, rank)
+        claims.append(time.perf_counter() - t0)
+    assert taken is not None and len(taken) == len(final[rank].items), (rank, len(taken or ()))
+    if world <= 64:
+        total = sum(len(plan_seed.claim(plans[r], index, r) or ()) for r in range(world))
+        assert total == index.stored_entries(), (total, index.stored_entries())
+    t0 = time.perf_counter()
+    md = plan_seed.global_metadata(index)
+    metadata_s = time.perf_counter() - t0
+    assert md.planner_data and len(md.state_dict_metadata) == len(index.entries)
+    return {"restart_claim_s": sorted(claims)[1], "restart_metadata_s": metadata_s}
+
+
+READ = re.compile(
+    r"checkpoint: read ([\d.]+ \w+) from storage for ([\d.]+ \w+) stored \(([\d.]+)x\)"
+)
+
+
+def replica_reads(replicas: list[int]) -> list[dict]:  # type: ignore[type-arg]
+    """What a load reads from storage at R data-parallel replicas: the reference trainer saves
+    a checkpoint (1 rank), then resumes it with R ranks in a replicated layout under torchrun,
+    once reading each record once per load (dcpkit's reader, the default) and once with each
+    rank reading all it needs (``DCPKIT_SHARE_ABOVE=inf``: how every load read before), as the
+    log line a user sees reports it."""
+    import shutil
+    import tempfile
+
+    from dcpkit.launch import torchrun_command, torchrun_env
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "llama3_debugmodel.toml"
+
+    def train(nproc: int, dump: Path, steps: int, env: dict[str, str] | None = None) -> str:
+        args = ["--job.config_file", str(config), "--job.dump_folder", str(dump)]
+        args += ["--training.steps", str(steps), "--checkpoint.interval", "2"]
+        args += ["--parallelism.data_parallel_replicate_degree", str(nproc)]
+        args += ["--parallelism.data_parallel_shard_degree", "1"]
+        proc = subprocess.run(
+            torchrun_command(nproc, args), env=torchrun_env(env), capture_output=True, text=True
+        )
+        out = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            raise RuntimeError(f"the trainer failed at {nproc} rank(s):\n{out[-3000:]}")
+        return out
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dcpkit-replicas-") as tmp:
+        saved = Path(tmp) / "saved"
+        train(1, saved, 2)
+        for r in replicas:
+            row: dict = {"replicas": r}  # type: ignore[type-arg]
+            for shared in (False, True):
+                dump = Path(tmp) / f"r{r}-{int(shared)}"
+                shutil.copytree(saved / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
+                env = None if shared else {"DCPKIT_SHARE_ABOVE": "inf"}
+                found = READ.search(train(r, dump, 3, env))
+                if found is None:
+                    raise RuntimeError(f"no read report at {r} replicas")
+                side = "shared" if shared else "each"
+                row[f"{side}_read"], row["stored"] = found.group(1), found.group(2)
+                row[f"{side}_ratio"] = float(found.group(3))
+                shutil.rmtree(dump)
+            print(
+                f"  {r} replica(s): a load read {row['each_read']} ({row['each_ratio']:.2f}x of "
+                f"{row['stored']} stored) with each rank reading for itself, {row['shared_read']} "
+                f"({row['shared_ratio']:.2f}x) shared",
+                flush=True,
+            )
+            rows.append(row)
+    return rows
 
 
 def _s(v: float | None) -> str:
@@ -406,6 +493,11 @@ def main() -> int:
         default=1.2e6,
         help="largest cell on which DCP's own planner (the baseline, quadratic) is timed too",
     )
+    parser.add_argument(
+        "--replicas",
+        default="1,2,4,8",
+        help="replica counts a load is measured at (the trainer under torchrun); '' skips it",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path, help="plot (default: next to --json)")
     parser.add_argument("--_cell", help=argparse.SUPPRESS)
@@ -446,7 +538,10 @@ def main() -> int:
                 f"{r['load_parse_s']:.2f} s, structure checks {r['load_check_s']:.2f} s; index "
                 f"{r['index_bytes'] / 2**20:.1f} MiB made in {r['index_s']:.2f} s, a rank reads "
                 f"its {r['index_chunks']} chunks in {r['load_index_s']:.3f} s, checks its share "
-                f"in {r['index_check_s']:.3f} s",
+                f"in {r['index_check_s']:.3f} s; a restart's first save: 0 plannings, a rank takes "
+                f"its plan in {r['restart_claim_s']:.3f} s, the coordinator its metadata in "
+                f"{r['restart_metadata_s']:.2f} s, {r['cached_gathered_bytes']} B of plans "
+                "gathered",
                 flush=True,
             )
     growth = {}
@@ -474,7 +569,8 @@ def main() -> int:
         f"\n{'model':>5} {'ranks':>6} {'items M':>8} {'plan s':>8} {'DCP s':>7} "
         f"{'.metadata MiB':>14} {'gathered MiB':>13} {'peak GiB':>9} {'cached s':>9} "
         f"{'plannings':>9} {'load parse s':>12} {'checks s':>8} {'index MiB':>9} "
-        f"{'made s':>7} {'rank reads s':>12} {'its checks s':>12}"
+        f"{'made s':>7} {'rank reads s':>12} {'its checks s':>12} {'restart rank s':>14} "
+        f"{'restart coord s':>15}"
     )
     for r in rows:
         tag = "" if r["measured"] else "  (extrapolated)"
@@ -486,12 +582,20 @@ def main() -> int:
             f"{r['metadata_bytes'] / 2**20:>14.1f} {r['gathered_bytes'] / 2**20:>13.1f} "
             f"{r['peak_bytes'] / 2**30:>9.2f} {cached} {plans} {r['load_parse_s']:>12.2f} "
             f"{r['load_check_s']:>8.2f} {r['index_bytes'] / 2**20:>9.1f} {r['index_s']:>7.2f} "
-            f"{r['load_index_s']:>12.3f} {r['index_check_s']:>12.3f}{tag}"
+            f"{r['load_index_s']:>12.3f} {r['index_check_s']:>12.3f} "
+            f"{r['restart_claim_s']:>14.3f} {r['restart_metadata_s']:>15.2f}{tag}"
         )
     print("\ngrowth exponent, log-log fit over the measured world sizes >= 32 (1.0 = linear):")
     for m, g in growth.items():
         print(f"  {m}: " + ", ".join(f"{k} {v:.2f}" for k, v in g.items()))
-    result = {"tp": TP, "max_items": opts.max_items, "rows": rows, "growth": growth}
+    replicas = [int(r) for r in opts.replicas.split(",") if r.strip()]
+    reads = []
+    if replicas:
+        print("\nbytes a load reads from storage, by data-parallel replicas:")
+        reads = replica_reads(replicas)
+    result = {
+        "tp": TP, "max_items": opts.max_items, "rows": rows, "growth": growth, "reads": reads,
+    }  # fmt: skip
     if opts.json:
         opts.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"\nwrote {opts.json}")

@@ -66,7 +66,7 @@ def test_plan_validation_finds_what_dcps_finds():
 def test_planning_scale_benchmark_small(tmp_path):
     out = tmp_path / "planning.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "planning_scale.py"), "--models", "8B,70B"]
-    cmd += ["--max-world", "32", "--max-items", "2e5", "--json", str(out)]
+    cmd += ["--max-world", "32", "--max-items", "2e5", "--replicas", "", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -79,6 +79,9 @@ def test_planning_scale_benchmark_small(tmp_path):
         # ... and with the index instead: a rank's own chunks, its share of the checks
         assert r["index_bytes"] > 0 and r["index_s"] > 0 and r["index_check_s"] > 0
         assert r["load_index_s"] > 0 and 0 < r["index_chunks"] < r["items_after_dedup"]
+        # a restart's first save: each rank takes its plan from the index (its items checked to
+        # be the planning's; together, up to 64 ranks, every stored entry once), 0 plannings
+        assert r["restart_claim_s"] > 0 and r["restart_metadata_s"] > 0
     # A cell over the item budget is extrapolated, and says so.
     assert any(not r["measured"] for r in rows if r["model"] == "70B")
     assert (tmp_path / "planning.png").stat().st_size > 0

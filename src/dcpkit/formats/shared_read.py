@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 from typing import Any
 
 import torch
@@ -32,10 +33,11 @@ from dcpkit import dist
 from dcpkit.manifest import Problem
 
 BATCH = 256 << 20
-SHARE_ABOVE = 0.02
+SHARE_ABOVE = float(os.environ.get("DCPKIT_SHARE_ABOVE", "0.02"))
 """Records are shared when reading them rank by rank would read more than this fraction of the
 needed bytes twice (DDP, HSDP: most of them); below it (FSDP: a few replicated values), each rank
-reads what it needs on its own."""
+reads what it needs on its own. ``DCPKIT_SHARE_ABOVE=inf`` never shares (each rank reads all it
+needs: for a store whose reads cost less than the process group's transfers)."""
 Record = tuple[str, int, int]  # file, offset, length
 
 
