@@ -14,7 +14,6 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
@@ -100,15 +99,27 @@ class HashingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            hashing = HashingStream(stream)
-            yield hashing
-            digest = hashing.digest()
-            if digest is not None:
-                self.digests[Path(path).name] = digest
+        with (
+            super().create_stream(path, mode) as raw,
+            hashed_stream(raw, mode, self.digests, path) as stream,
+        ):
+            yield stream
+
+
+@contextlib.contextmanager
+def hashed_stream(
+    stream: Any, mode: str, digests: dict[str, tuple[str, int]], path: Any
+) -> Iterator[Any]:
+    """``stream`` (opened with ``mode``), hashed as it is written: the file's (xxh3-64, size)
+    recorded in ``digests`` under its name once the writer is done with it."""
+    if "w" not in mode:
+        yield stream
+        return
+    hashing = HashingStream(stream)
+    yield hashing
+    digest = hashing.digest()
+    if digest is not None:
+        digests[str(path).rstrip("/").rsplit("/", 1)[-1]] = digest
 
 
 def checksum_stream(f: BinaryIO) -> str:

@@ -11,6 +11,7 @@ piece restores itself.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -123,7 +124,9 @@ class CheckpointManager:
             logger.info("checkpoint: %s", plan.reason)
             return None
         start = time.perf_counter()
-        plan, loaded = load_plan.restore_verified(plan, self.config, self.store, self._restore)
+        read: dict[str, Any] = {}  # what the load read by (its index)
+        restore = functools.partial(self._restore, seen=read)
+        plan, loaded = load_plan.restore_verified(plan, self.config, self.store, restore)
         seconds, pieces = time.perf_counter() - start, ", ".join(loaded)
         logger.info(
             f"checkpoint: loaded {plan.location} ({plan.reason}; {pieces}) in {seconds:.2f}s"
@@ -131,7 +134,7 @@ class CheckpointManager:
         self.loaded_step = plan.step
         self._resumed_from = plan.step if plan.own and not plan.model_only else None
         if self._saver is not None and self._resumed_from is not None:  # its plans, for a save
-            self._saver.resumed(self._read, plan.step)
+            self._saver.resumed(read, plan.step)
         return plan.step
 
     def load_from(self, path: str | Path, model_only: bool = False) -> list[str]:
@@ -147,9 +150,8 @@ class CheckpointManager:
         name: str,
         model_only: bool,
         own_rank: bool = False,
-        **reader: Any,  # checksums, metadata, index: see restore()
+        **reader: Any,  # checksums, metadata, index, seen: see restore()
     ) -> list[str]:
-        self._read: dict[str, Any] = {}  # what the load read by (its index)
         return restore(
             store,
             name,
@@ -160,7 +162,6 @@ class CheckpointManager:
             rng=self.save_rng,
             hf=self.hf_model,
             own_rank=own_rank,
-            seen=self._read,
             **reader,
         )
 

@@ -172,6 +172,9 @@ class Saver:
 
     def save_async(self, state: dict[str, Any], info: StepInfo) -> None:
         assert self.async_ckpt is not None
+        if self._seed is None and self._seed_index is not None:  # its save written: free it
+            self.async_ckpt.wait()
+            self._seed_index = None
         self.async_ckpt.save(state, info, self._take_seed())
 
     def save_sync(self, state: dict[str, Any], info: StepInfo, hf: HFCodec | None = None) -> None:
@@ -182,6 +185,7 @@ class Saver:
         else:
             planner = planning.CachingPlanner(self.plan_key, self._take_seed())
             published = write_and_publish(info, state, planner=planner, delete_now=False)
+            self._seed_index = None if self._seed is None else self._seed_index
         self.last_checksum_s = published.checksum_s
         if published.doomed:
             self._retire(info.store, published.doomed)
@@ -216,6 +220,7 @@ class Saver:
         finally:
             self._deleter.shutdown(wait=True)
             planning.forget(self.plan_key)
+            self._seed = self._seed_index = None
 
 
 def _delete_logging_failures(store: Any, steps: list[int]) -> None:

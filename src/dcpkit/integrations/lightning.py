@@ -27,6 +27,7 @@ one written mid-epoch restarts the epoch's data (Lightning's own behaviour, whic
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -315,7 +316,7 @@ def _read_whole(store: Any, name: str, location: str, only: str | None = None) -
     wanted = 0
     for md in metadata.state_dict_metadata.values():
         if isinstance(md, TensorStorageMetadata):
-            wanted += md.properties.dtype.itemsize * _numel(md.size)
+            wanted += md.properties.dtype.itemsize * math.prod(int(d) for d in md.size)
     if wanted > stored:
         raise CheckpointError(
             f"{location}: its .metadata describes {wanted} bytes of tensors but its data files "
@@ -324,13 +325,6 @@ def _read_whole(store: Any, name: str, location: str, only: str | None = None) -
     planner = safe_load_planner(everything=True, keys=None if only is None else {only})
     dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
     return planner.original_state_dict  # dcp.load fills a dict of its own, the planner's
-
-
-def _numel(size: Any) -> int:
-    n = 1
-    for d in size:
-        n *= int(d)
-    return n
 
 
 def _move(obj: Any, where: torch.device) -> Any:

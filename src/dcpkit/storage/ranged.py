@@ -37,7 +37,6 @@ class RangeFile(io.RawIOBase):
     ) -> None:
         self.transport, self.path, self.size, self.pos = transport, path, size, 0
         self.in_flight = max(1, in_flight)
-        self.extra_bytes = 0
         self._parts = _cut(spans, READ_PART)
         self._next = 0  # the next part to request
         self._queue: collections.deque[tuple[int, int, Future[bytearray]]] = collections.deque()
@@ -132,7 +131,6 @@ class RangeFile(io.RawIOBase):
         if self._queue and not small:
             stop = min(stop, max(self._queue[0][0], pos + 1))
         self.transport.read_into(self.path, pos, view[: stop - pos])
-        self.extra_bytes += stop - pos
         self.pos = stop
         return stop - pos
 
@@ -197,7 +195,6 @@ class RemoteFiles:
 
     def __init__(self, transport: Transport, folder: str, sizes: dict[str, int]) -> None:
         self.transport, self.folder, self.sizes = transport, folder, sizes
-        self.extra_bytes = 0
         self.parse_ahead = False  # a file read whole parses each record as the stream reaches it
 
     @contextlib.contextmanager
@@ -211,7 +208,6 @@ class RemoteFiles:
         try:
             yield f, f, size
         finally:
-            self.extra_bytes += f.extra_bytes
             f.close()
 
 

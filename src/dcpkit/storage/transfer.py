@@ -14,7 +14,7 @@ GETs, each with a bounded number of parts in flight.
   bounded by ``READS_IN_FLIGHT * READ_PART`` (128 MiB) and the record headers requested ahead
   (``WINDOWS_AHEAD`` per file, 8 KiB each): the first and last 4 KiB of every ``torch.save``
   record (its zip headers), fetched in parallel ahead of the parse. A read elsewhere is a GET
-  of its own (counted in ``extra_bytes``).
+  of its own (counted with the rest in ``Transport.bytes_read``).
 
 On S3 (``s3://``) the requests go through botocore (the AWS SDK s3fs itself uses), one client
 per store with the store's own credentials, endpoint and client options, read straight into

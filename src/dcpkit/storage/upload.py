@@ -146,36 +146,28 @@ def upload_file_system(fs: Any, transport: Transport, digests: dict[str, tuple[s
     S3) and hashed as they are written, each one's (xxh3-64, size) recorded in ``digests``."""
     from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 
-    from dcpkit.manifest import HashingStream
+    from dcpkit.manifest import hashed_stream
 
     class UploadFileSystem(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, path: Any, mode: str) -> Any:
             if "w" not in mode or not transport.s3:
-                with super().create_stream(path, mode) as stream:
-                    if "w" not in mode:
-                        yield stream
-                        return
-                    hashing = HashingStream(stream)
-                    yield hashing
-                    _record(hashing, path)
+                with (
+                    super().create_stream(path, mode) as raw,
+                    hashed_stream(raw, mode, digests, path) as stream,
+                ):
+                    yield stream
                 return
             upload = PartUpload(transport, str(fs._strip_protocol(str(path))))
-            hashing = HashingStream(upload)
             try:
-                yield hashing
+                with hashed_stream(upload, mode, digests, path) as stream:
+                    yield stream
                 upload.close()
             except BaseException:
                 upload.abort()
                 raise
             finally:
                 fs.invalidate_cache(upload.path)  # listings see the new object
-            _record(hashing, path)
-
-    def _record(hashing: Any, path: Any) -> None:
-        digest = hashing.digest()
-        if digest is not None:
-            digests[str(path).rstrip("/").rsplit("/", 1)[-1]] = digest
 
     out = UploadFileSystem()
     out.fs = fs
