@@ -178,3 +178,29 @@ def test_a_restart_at_the_same_layout_plans_nothing(tmp_path, mode):
     other = run_script(1, "restart_plans.py", str(folder), "restart", mode)
     assert [r["plans"] for r in _ranks(other)] == [[1, 1]]  # another world size: planned
     assert "the layout differs from step 4's" in other.stderr + other.stdout
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not planning.CACHING, reason="this torch's DCP cannot cache save plans")
+def test_a_restart_from_an_object_store_plans_nothing(seaweedfs, monkeypatch):
+    """The same on S3 (SeaweedFS): the index the load downloaded serves the first save, which
+    plans nothing, and what it wrote verifies."""
+    import uuid
+
+    import s3fs
+
+    from conftest import BUCKET, use_endpoint
+
+    use_endpoint(monkeypatch, seaweedfs)
+    try:
+        folder = f"s3://{BUCKET}/restart-{uuid.uuid4().hex}/checkpoint"
+        first = _ranks(run_script(2, "restart_plans.py", folder, "first", "disabled"))
+        assert [r["plans"] for r in first] == [[1, 1], [0, 0]]
+        proc = run_script(2, "restart_plans.py", folder, "restart", "async")
+        assert [r["plans"] for r in _ranks(proc)] == [[0, 1], [0, 0]]
+        assert "save takes its plans from step 2" in proc.stderr + proc.stdout
+        for step in (3, 4):
+            proc = cli("verify", f"{folder}/step-{step}")
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()

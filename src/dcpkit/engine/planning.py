@@ -195,8 +195,13 @@ class CachingPlanner(DefaultSavePlanner):
         index = plan_seed.open_index(seed)
         rank = dist.rank()
         taken = None
-        if index is not None and seed.world == dist.world_size():
-            taken = plan_seed.claim(plan, index, rank)
+        try:  # nothing may raise on one rank alone before the all-reduce: the others would wait
+            if index is not None and seed.world == dist.world_size():
+                taken = plan_seed.claim(plan, index, rank)
+        except Exception as e:
+            logger.warning(
+                "checkpoint: rank %d cannot take its plan from step %d: %r", rank, seed.step, e
+            )
         stored = index.stored_entries() if index is not None else -1
         failed, claimed = dist.all_sum([taken is None, len(taken or ())], self.group)
         if failed or claimed != stored:
