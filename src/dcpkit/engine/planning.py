@@ -118,6 +118,7 @@ class CachingPlanner(DefaultSavePlanner):
         self.seed = seed  # the checkpoint a restart resumed from: its first save's plans
         self.group = group  # the save's process group
         self._seeded_final: SavePlan | None = None
+        self._seeded_index: Any = None
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         """DCP's ``torch.save`` of a stored value, made once per distinct small value of a
@@ -159,6 +160,12 @@ class CachingPlanner(DefaultSavePlanner):
         if self._seeded_final is not None:  # this rank's share of the checkpoint's plan
             new_plan = dataclasses.replace(self._seeded_final, storage_data=new_plan.storage_data)
             self._seeded_final = None
+        if self._seeded_index is not None:  # the coordinator: the metadata, from the index
+            built = plan_seed.global_metadata(self._seeded_index)
+            metadata = SavePlanner._cached_metadata[self._cached_plans_key]
+            metadata.state_dict_metadata = built.state_dict_metadata
+            metadata.planner_data = built.planner_data
+            self._seeded_index = None
         return super().finish_plan(new_plan)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> Any:
@@ -220,7 +227,10 @@ class CachingPlanner(DefaultSavePlanner):
             empty = [SavePlan([], usable=False)] * dist.world_size()
             SavePlanner._cached_all_plans[key] = empty
             SavePlanner._cached_global_plan[key] = empty
-            SavePlanner._cached_metadata[key] = plan_seed.global_metadata(index)
+            # filled from the index once the plans are out (``finish_plan``): the other ranks
+            # write meanwhile; DCP's finish pickles this same object
+            SavePlanner._cached_metadata[key] = Metadata(state_dict_metadata={})
+            self._seeded_index = index
         _seeded.add(key)
         if rank == 0:
             logger.info(
