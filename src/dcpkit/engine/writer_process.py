@@ -156,17 +156,33 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _log_level() -> int:
-    """The level dcpkit's messages are shown at here (none shown: WARNING, Python's default)."""
-    shown = logging.getLogger("dcpkit").getEffectiveLevel()
-    return shown if logging.getLogger().handlers else logging.WARNING
+def _log_level() -> tuple[int, str, str]:
+    """How dcpkit's messages are shown here: level, format, stream (none configured: Python's
+    default, warnings and worse on stderr)."""
+    logger = logging.getLogger("dcpkit")
+    if not logger.hasHandlers():
+        return logging.WARNING, "%(message)s", "stderr"
+    handler = next((h for lg in (logger, logging.getLogger()) for h in lg.handlers), None)
+    fmt = getattr(getattr(handler, "formatter", None), "_fmt", None) or logging.BASIC_FORMAT
+    stream = "stdout" if getattr(handler, "stream", None) is sys.stdout else "stderr"
+    return logger.getEffectiveLevel(), fmt, stream
+
+
+def _show_logs(level: int, fmt: str, stream: str) -> None:
+    """The writer's messages shown as the trainer's are."""
+    handler = logging.StreamHandler(sys.stdout if stream == "stdout" else sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    logger = logging.getLogger("dcpkit")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level)
+    logger.propagate = False
 
 
 def _writer_main(
-    conn: Any, addr: str, port: int, rank: int, world: int, parent: int, level: int
+    conn: Any, addr: str, port: int, rank: int, world: int, parent: int, log: tuple[int, str, str]
 ) -> None:
     _die_with_parent(parent)
-    logging.basicConfig(level=level)  # the writer's messages shown as the trainer's are
+    _show_logs(*log)
     torch.set_num_threads(1)
     group = None
     if world > 1:
