@@ -102,7 +102,7 @@ def _stored_key(item: WriteItem, md: Any) -> MetadataIndex | None:
 def global_metadata(index: DcpIndex) -> Metadata:
     """The checkpoint's metadata as the save's coordinator would have planned it: every key,
     every chunk and every path; the storage entries are the new save's to fill."""
-    md = index.metadata()
+    md = index.metadata(storage=False)
     return Metadata(state_dict_metadata=md.state_dict_metadata, planner_data=index.planner_data())
 
 

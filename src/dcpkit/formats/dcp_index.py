@@ -215,11 +215,14 @@ class DcpIndex:
             out.append((offsets, sizes, extra))
         return out
 
-    def metadata(self, wanted: dict[str, list[Region] | None] | None = None) -> Any:
+    def metadata(
+        self, wanted: dict[str, list[Region] | None] | None = None, storage: bool = True
+    ) -> Any:
         """DCP ``Metadata`` of the keys of ``wanted`` (all keys when None), each tensor with the
-        chunks overlapping its regions (all when None) and their storage. Each region must be
-        covered by those chunks exactly once (else a load would leave part of it as it was)."""
-        return self._build(wanted, chunks=True)
+        chunks overlapping its regions (all when None) and (``storage``) their storage entries.
+        Each region must be covered by those chunks exactly once (else a load would leave part
+        of it as it was)."""
+        return self._build(wanted, chunks=True, entries=storage)
 
     def catalog(self) -> Any:
         """Every key with its shape and dtype, and no chunks: what a load looks at before it
@@ -245,7 +248,9 @@ class DcpIndex:
             if found:
                 raise self._bad(f"where this rank loads {list(sizes)} at {list(off)}, {found[0]}")
 
-    def _build(self, wanted: dict[str, list[Region] | None] | None, chunks: bool) -> Any:
+    def _build(
+        self, wanted: dict[str, list[Region] | None] | None, chunks: bool, entries: bool = True
+    ) -> Any:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import (
             BytesStorageMetadata,
@@ -268,7 +273,10 @@ class DcpIndex:
                 if "b" in e:
                     state[fqn] = BytesStorageMetadata()
                     f, offset, length = e["b"]
-                    storage[MetadataIndex(fqn, None)] = _StorageInfo(self.files[f], offset, length)
+                    if entries:
+                        storage[MetadataIndex(fqn, None)] = _StorageInfo(
+                            self.files[f], offset, length
+                        )
                     continue
                 props = TensorProperties(dtype=e["dtype"], requires_grad=e["grad"])
                 found = []
@@ -279,9 +287,10 @@ class DcpIndex:
                     for i, (offsets, sizes, (f, offset, length)) in enumerate(rows):
                         at = torch.Size(offsets)
                         found.append(ChunkStorageMetadata(offsets=at, sizes=torch.Size(sizes)))
-                        storage[MetadataIndex(fqn, at, i)] = _StorageInfo(
-                            self.files[f], offset, length
-                        )
+                        if entries:
+                            storage[MetadataIndex(fqn, at, i)] = _StorageInfo(
+                                self.files[f], offset, length
+                            )
                 state[fqn] = TensorStorageMetadata(props, torch.Size(e["size"]), found)
         return Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta())
 
