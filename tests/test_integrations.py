@@ -213,9 +213,7 @@ def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
     assert torch.equal(back["state_dict"]["model.w"], torch.arange(6.0).reshape(2, 3))
 
 
-def run_titan(
-    cwd: Path, *args: str, env: dict[str, str] | None = None, ok: bool = True, logs=None
-):
+def run_titan(cwd: Path, *args: str, env: dict[str, str] | None = None, ok: bool = True, logs=None):
     cache = {"HF_DATASETS_CACHE": str(cwd / "hf-datasets"), **(env or {})}
     return run_example(cwd, "torchtitan_train.py", *args, env=cache, ok=ok, logs=logs)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import cli, run_script
-from dcpkit.engine import planning
+from dcpkit.engine import described, planning
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_second_save_of_the_same_shapes_plans_nothing(tmp_path, mode):
     if not planning.CACHING:
         pytest.skip("this torch's DCP cannot cache save plans")
-    proc = run_script(2, "plan_caching.py", str(tmp_path / "checkpoint"), mode)
+    # the first save planned as DCP plans it (described.ENV=0), so that there is a plan to cache
+    env = {described.ENV: "0"}
+    proc = run_script(2, "plan_caching.py", str(tmp_path / "checkpoint"), mode, env=env)
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     ranks = json.loads(line[len("RESULT ") :])
     # The coordinator planned the first save only; the other rank never plans.
@@ -160,7 +162,8 @@ def test_a_restart_at_the_same_layout_plans_nothing(tmp_path, mode):
     at another world size plans as usual."""
     folder = tmp_path / "ckpt"
     first = _ranks(run_script(2, "restart_plans.py", str(folder), "first", mode))
-    assert [r["plans"] for r in first] == [[1, 1], [0, 0]]  # rank 0 plans once, then cached
+    # a fresh job: its first save planned from the layout the ranks share, then cached
+    assert [r["plans"] for r in first] == [[0, 0], [0, 0]]
     proc = run_script(2, "restart_plans.py", str(folder), "restart", mode)
     restart = _ranks(proc)
     # step 3 planned by step 2's checkpoint; at step 4 rank 1's state gains a key: all plan
@@ -173,7 +176,9 @@ def test_a_restart_at_the_same_layout_plans_nothing(tmp_path, mode):
         assert all(r["bitwise"] for r in check), check
         assert [r["reader"]["position"] for r in check] == [step, 100 + step]
     assert check[0]["stored_reader"] == [  # rank 1's new key is in step 4's metadata
-        "reader.rank_0.position", "reader.rank_1.extra", "reader.rank_1.position"
+        "reader.rank_0.position",
+        "reader.rank_1.extra",
+        "reader.rank_1.position",
     ]
     other = run_script(1, "restart_plans.py", str(folder), "restart", mode)
     assert [r["plans"] for r in _ranks(other)] == [[1, 1]]  # another world size: planned
@@ -194,7 +199,8 @@ def test_a_restart_from_an_object_store_plans_nothing(seaweedfs, monkeypatch):
     use_endpoint(monkeypatch, seaweedfs)
     try:
         folder = f"s3://{BUCKET}/restart-{uuid.uuid4().hex}/checkpoint"
-        first = _ranks(run_script(2, "restart_plans.py", folder, "first", "disabled"))
+        env = {described.ENV: "0"}  # a first save planned as DCP plans it, for the restart
+        first = _ranks(run_script(2, "restart_plans.py", folder, "first", "disabled", env=env))
         assert [r["plans"] for r in first] == [[1, 1], [0, 0]]
         proc = run_script(2, "restart_plans.py", folder, "restart", "async")
         assert [r["plans"] for r in _ranks(proc)] == [[0, 1], [0, 0]]

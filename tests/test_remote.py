@@ -183,6 +183,7 @@ def test_missing_bucket_and_bad_url_name_the_url(s3, tmp_path):
         assert proc.returncode == 2, (cmd, proc.stderr)
         assert f"{missing} does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
+
 def test_an_output_url_in_a_missing_bucket_names_the_url_and_bucket(s3, stopped_run, tmp_path):
     ckpt = str(stopped_run / "checkpoint" / "step-10")
     hf = tmp_path / "hf"

@@ -89,12 +89,22 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
 
 def all_sum(values: list[int], group: Any = None) -> list[int]:
     """``values`` summed over the ranks of ``group`` (one all-reduce of a few integers)."""
+    return _all_reduce(values, group, dist.ReduceOp.SUM if is_dist() else None)
+
+
+def all_min(values: list[int], group: Any = None) -> list[int]:
+    """The least of each of ``values`` over the ranks of ``group`` (the greatest of ``v`` is
+    ``-min(-v)``)."""
+    return _all_reduce(values, group, dist.ReduceOp.MIN if is_dist() else None)
+
+
+def _all_reduce(values: list[int], group: Any, op: Any) -> list[int]:
     if not is_dist():
         return list(values)
     backend = str(dist.get_backend(group))
     cpu = "gloo" in backend or "mpi" in backend
     box = torch.tensor(values, dtype=torch.int64, device="cpu" if cpu else "cuda")
-    dist.all_reduce(box, group=group)
+    dist.all_reduce(box, op=op, group=group)
     return [int(v) for v in box.tolist()]
 
 

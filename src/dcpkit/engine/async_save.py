@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
 from dcpkit import dist
-from dcpkit.engine import planning
+from dcpkit.engine import chunk_layout, planning
 from dcpkit.engine.plan_seed import Seed
 from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.staged import StagedPlanner, StagedStep
@@ -96,12 +96,14 @@ class AsyncCheckpointer:
         items: list[WriteItem] = []
         objects: dict[str, bytes] = {}
         sources: dict[str, torch.Tensor] = {}
+        layouts: dict[str, Any] = {}
         with torch.no_grad():  # to_local() without autograd's bookkeeping
             for fqn, obj in flat.items():
                 if isinstance(obj, DTensor):
                     if obj.device_mesh.get_coordinate() is None:
                         continue
                     sources[fqn] = obj.to_local()
+                    layouts[fqn] = chunk_layout.layout_of(obj)
                 elif torch.is_tensor(obj):
                     sources[fqn] = obj
                 elif type(obj) in _IMMUTABLE:
@@ -111,7 +113,7 @@ class AsyncCheckpointer:
                     objects[fqn] = copy.deepcopy(obj)
                 items.extend(self._write_items(fqn, obj))
         new_buffers = self._ensure_buffers(sources)
-        staged = StagedStep(info, items, mappings, objects, self.plan_key, seed)
+        staged = StagedStep(info, items, mappings, objects, self.plan_key, seed, layouts)
         self._staged.clear()
         self._copy_error = None
         on_device = any(src.is_cuda for src in sources.values())

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 
 from dcpkit import dist
 from dcpkit.dist import paused_gc
-from dcpkit.engine import plan_seed
+from dcpkit.engine import chunk_layout, described, plan_seed
 from dcpkit.engine.plan_seed import Seed
 from dcpkit.formats.structure import chunk_problems
 
@@ -60,6 +60,7 @@ CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__
 
 _keys = itertools.count()
 _global_plans: Counter[str] = Counter()
+_described_plans: Counter[str] = Counter()
 _seeded: set[str] = set()
 """Keys whose cache came from a checkpoint (``plan_seed``): the coordinator holds no rank's
 plan, so a save where any rank's plan changed plans in full on every rank."""
@@ -88,6 +89,12 @@ def new_key() -> str:
 def global_plans(key: str) -> int:
     """How many global plannings this process performed, as coordinator, under ``key``."""
     return _global_plans[key]
+
+
+def described_plans(key: str) -> int:
+    """How many first saves this process coordinated from the ranks' shared description
+    (``described``): no plans gathered but the per-rank states'."""
+    return _described_plans[key]
 
 
 def forget(key: str) -> None:
@@ -119,6 +126,7 @@ class CachingPlanner(DefaultSavePlanner):
         self.group = group  # the save's process group
         self._seeded_final: SavePlan | None = None
         self._seeded_index: Any = None
+        self._agreed: described.Agreed | None = None
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         """DCP's ``torch.save`` of a stored value, made once per distinct small value of a
@@ -137,7 +145,10 @@ class CachingPlanner(DefaultSavePlanner):
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's global planning (deduplication, global plan, metadata), validated in time
         linear in the chunks."""
-        _global_plans[self._cached_plans_key] += 1
+        if self._agreed is not None:  # a described save: only the per-rank states' plans came
+            _described_plans[self._cached_plans_key] += 1
+        else:
+            _global_plans[self._cached_plans_key] += 1
         with paused_gc():  # millions of new objects, no cycles: each full collection walks them all
             deduped = dedup_save_plans(all_plans, getattr(self, "dedup_save_to_lowest_rank", False))
             global_plan, metadata = create_default_global_save_plan(deduped)
@@ -156,7 +167,21 @@ class CachingPlanner(DefaultSavePlanner):
             plan = dataclasses.replace(plan, planner_data=self.mappings)
         return self.cached_local_plan(plan)
 
+    def layouts(self) -> dict[str, Any]:
+        """Every DTensor's layout (``described``), from the state being saved."""
+        return chunk_layout.layouts_of(self.state_dict)
+
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        agreed, self._agreed = self._agreed, None
+        if agreed is not None:  # this rank's share, with its per-rank states' planned items
+            items = [*agreed.owned, *new_plan.items]
+            new_plan = dataclasses.replace(new_plan, items=items, planner_data=self.mappings)
+            if self.is_coordinator:  # the metadata of the described state, while the ranks write
+                metadata = self.metadata
+                with paused_gc():
+                    metadata.state_dict_metadata.update(described.entries(agreed))
+                if self.flatten_state_dict:
+                    metadata.planner_data = {**agreed.mappings, **(metadata.planner_data or {})}
         if self._seeded_final is not None:  # this rank's share of the checkpoint's plan
             new_plan = dataclasses.replace(self._seeded_final, storage_data=new_plan.storage_data)
             self._seeded_final = None
@@ -185,6 +210,10 @@ class CachingPlanner(DefaultSavePlanner):
         cached = SavePlanner._cached_save_plan.get(key)
         if self.seed is not None and self._plan_from_seed(plan, self.seed):  # on every rank
             return SavePlan([], usable=False)
+        if cached is None and key not in _seeded and self._described_ok():
+            sent = self._plan_described(plan)
+            if sent is not None:
+                return sent
         self._pending_local_plan = plan  # promoted to the cache once the save's plan succeeded
         if key in _seeded:  # every rank's plan unchanged, or every rank plans in full
             unchanged = cached is not None and _compare_save_plans(plan, cached)
@@ -195,6 +224,33 @@ class CachingPlanner(DefaultSavePlanner):
         if cached is not None and _compare_save_plans(plan, cached):
             return SavePlan([], usable=False)
         return plan
+
+    def _described_ok(self) -> bool:
+        """Whether a first save may be planned from the description: on for several ranks
+        (the same environment on every rank decides alike)."""
+        return described.enabled() and dist.world_size() > 1 and self.flatten_state_dict
+
+    def _plan_described(self, plan: SavePlan) -> SavePlan | None:
+        """Every rank: this rank's share of the save from the description all ranks agree on
+        (``described``), sending only its per-rank states' items; None (on every rank) when
+        the ranks do not agree."""
+        mappings = self.mappings if isinstance(self.mappings, dict) else {}
+        agreed, why = described.agree(plan, self.layouts(), mappings, self.group)
+        if agreed is None:
+            if dist.rank() == 0:
+                logger.info("checkpoint: the first save gathers the ranks' plans: %s", why)
+            return None
+        self._pending_local_plan = plan
+        self._agreed = agreed
+        _seeded.add(self._cached_plans_key)  # a later change plans in full, on every rank
+        if dist.rank() == 0:
+            per_rank = ", ".join(agreed.per_rank) or "none"
+            logger.info(
+                "checkpoint: the first save is planned from the layout every rank shares "
+                "(%d DTensors, %d values): no plans gathered but the per-rank states' (%s)",
+                len(agreed.dtensors), len(agreed.shared), per_rank,
+            )  # fmt: skip
+        return agreed.sent
 
     def _plan_from_seed(self, plan: SavePlan, seed: Seed) -> bool:
         """Every rank: take this save's plans and metadata from the checkpoint the run resumed

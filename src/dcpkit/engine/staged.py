@@ -26,6 +26,8 @@ class StagedStep:
     """The plan cache of the saver (``engine.planning``)."""
     seed: Seed | None = None
     """The checkpoint a restart resumed from, for its first save (``engine.plan_seed``)."""
+    layouts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Every DTensor's layout, for a first save planned from it (``engine.described``)."""
 
 
 class StagedPlanner(CachingPlanner):
@@ -46,6 +48,9 @@ class StagedPlanner(CachingPlanner):
 
     def create_local_plan(self) -> SavePlan:
         return self.cached_local_plan(SavePlan(list(self.staged.items), planner_data=self.mappings))
+
+    def layouts(self) -> dict[str, Any]:
+        return self.staged.layouts
 
     def resolve_data(self, write_item: WriteItem):  # type: ignore[no-untyped-def]
         fqn = write_item.index.fqn
