@@ -111,7 +111,8 @@ def local_chunk(shape: tuple[int, ...], style: str, dp: int, tp: int, d: int, t:
     return offsets, sizes
 
 
-def build_plans(flavor: str, world: int) -> list:  # type: ignore[type-arg]
+def build_plans(flavor: str, world: int, ranks: list[int] | None = None) -> list:  # type: ignore[type-arg]
+    """The DCP save plans of ``ranks`` (default: every rank)."""
     import torch
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
@@ -158,11 +159,12 @@ def build_plans(flavor: str, world: int) -> list:  # type: ignore[type-arg]
             )
     for key in ("lr_scheduler", "train_state"):
         replicated.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+    # state-dict paths as TorchTitan's flattened state dict has them (top-level state first)
     mappings = {key: tuple(key.split(".", 2)) for key, _, _ in sharded}
-    mappings.update({item.index.fqn: (item.index.fqn,) for item in replicated})
+    mappings.update({item.index.fqn: tuple(item.index.fqn.split(".", 2)) for item in replicated})
     shared: dict = {}  # (key, offsets) -> item, for the chunks replicated over TP
     plans = []
-    for rank in range(world):
+    for rank in range(world) if ranks is None else ranks:
         d, t = divmod(rank, tp)
         items = list(replicated)
         for key, size, style in sharded:
@@ -187,8 +189,28 @@ def build_plans(flavor: str, world: int) -> list:  # type: ignore[type-arg]
             items.append(item)
         dl = f"dataloader.dp_rank_{d}"
         items.append(WriteItem(index=MetadataIndex(dl), type=WriteItemType.BYTE_IO))
-        plans.append(SavePlan(items, planner_data={**mappings, dl: (dl,)}))
+        plans.append(SavePlan(items, planner_data={**mappings, dl: ("dataloader", f"dp_rank_{d}")}))
     return plans
+
+
+def layouts(flavor: str, world: int, rank: int) -> dict:  # type: ignore[type-arg]
+    """Every DTensor's layout on ``rank`` (``dcpkit.engine.chunk_layout``), as TorchTitan's
+    FSDP x TP gives it: the mesh (dp, tp); column-wise: TP's piece split by FSDP inside it
+    (FSDP's strided shard); row-wise: FSDP on dim 0, TP on dim 1; norms: FSDP on dim 0,
+    replicated over TP."""
+    from dcpkit.engine.chunk_layout import Layout
+
+    tp = min(TP, world)
+    dp = world // tp
+    coordinate = divmod(rank, tp)
+    splits = {"col": (((1, 0), ()), ()), "row": (((0,), (1,)), ()), "rep": (((0,),), (1,))}
+    out = {}
+    for name, shape, style in parameters(flavor):
+        split, replicated = splits[style]
+        layout = Layout((dp, tp), 0, (tp, 1), coordinate, split[: len(shape)], replicated)
+        for key in (name, f"optimizer.state.{name}.exp_avg", f"optimizer.state.{name}.exp_avg_sq"):
+            out[key] = layout
+    return out
 
 
 def items_per_rank(flavor: str) -> int:
@@ -202,6 +224,87 @@ def _rss(field: str) -> int:
             if line.startswith(field):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def described_cell(flavor: str, world: int, metadata: bool) -> dict:  # type: ignore[type-arg]
+    """One (model, world size), a job's first save planned from the layout the ranks share
+    (``dcpkit.engine.described``). The coordinator (rank 0) describes its own plan (and checks
+    the chunk formula against it), reduces the digests (the all-reduce, standing in: the least
+    of rank 0's and another dp rank's vectors, which differ in the per-rank dataloader entry
+    only, as every rank's do), takes its share, then plans the one thing gathered: every rank's
+    per-rank state (its dataloader entry). That is the save's blocking part: the writes start
+    after it. Then, while the ranks write (``metadata``), the coordinator lists every chunk from
+    the layouts and pickles ``.metadata`` with a storage entry per chunk."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+    from dcpkit.engine import described, planning
+
+    tp = min(TP, world)
+    other = tp if world > tp else 1  # a rank of another dp coordinate
+    base = _rss("VmRSS")
+    plan, plan_other = build_plans(flavor, world, [0, other])
+    mappings = plan.planner_data
+    t0 = time.perf_counter()
+    mine = described.describe(plan, layouts(flavor, world, 0), mappings)
+    describe_s = time.perf_counter() - t0
+    theirs = described.describe(plan_other, layouts(flavor, world, other), plan_other.planner_data)
+    first = [min(a, b) for a, b in zip(mine.first(), theirs.first())]
+    second = [min(a, b) for a, b in zip(mine.second(), theirs.second())]
+    t0 = time.perf_counter()
+    agreed, why = described.decide(
+        plan, layouts(flavor, world, 0), mappings, mine, first, second, 0, world
+    )
+    share_s = time.perf_counter() - t0
+    if agreed is None:
+        raise RuntimeError(f"the description does not agree: {why}")
+    sent = []  # what each rank sends: its per-rank states' items (its dataloader entry)
+    for rank in range(world):
+        d = rank // tp
+        dl = f"dataloader.dp_rank_{d}"
+        item = WriteItem(index=MetadataIndex(dl), type=WriteItemType.BYTE_IO)
+        sent.append(SavePlan([item], planner_data={dl: ("dataloader", f"dp_rank_{d}")}))
+    gathered = sum(len(pickle.dumps(p)) for p in sent)
+    key = planning.new_key()
+    planner = planning.CachingPlanner(key)
+    planner._agreed = agreed  # what the coordinator's create_local_plan left (``agree``)
+    t0 = time.perf_counter()
+    final, md = planner.create_global_plan(sent)
+    plan_s = time.perf_counter() - t0
+    blocking_peak = _rss("VmHWM") - base
+    row = {
+        "model": flavor,
+        "world": world,
+        "described_describe_s": describe_s,
+        "described_share_s": share_s,
+        "described_plan_s": plan_s,
+        "described_blocking_s": describe_s + share_s + plan_s,
+        "described_gathered_bytes": gathered,
+        "described_blocking_peak_bytes": blocking_peak,
+        "described_owned": len(agreed.owned),
+        "described_global_plans": planning.global_plans(key),
+        "described_plans": planning.described_plans(key),
+    }
+    if metadata:
+        t0 = time.perf_counter()
+        md.state_dict_metadata.update(described.entries(agreed))
+        entries_s = time.perf_counter() - t0
+        storage = {}  # what DCP's finish gathers from the writers: a storage entry per chunk
+        for fqn, m in md.state_dict_metadata.items():
+            for c in getattr(m, "chunks", [None]):
+                offsets = c.offsets if c is not None else None
+                storage[MetadataIndex(fqn, offsets)] = _StorageInfo("__0_0.distcp", 0, 64)
+        md.storage_data = storage
+        written = pickle.dumps(md)
+        row.update(
+            described_metadata_s=time.perf_counter() - t0,
+            described_entries_s=entries_s,
+            described_chunks=sum(len(getattr(m, "chunks", ())) for m in md.state_dict_metadata.values()),
+            described_metadata_bytes=len(written),
+            described_peak_bytes=_rss("VmHWM") - base,
+        )
+    return row
 
 
 def cell(flavor: str, world: int, stock: bool) -> dict:

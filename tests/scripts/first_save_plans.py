@@ -142,6 +142,25 @@ def compare(ours_path: str, dcps_path: str) -> dict:
                 problems.append(f"{key}: chunks {full(mine.chunks)} != {full(md.chunks)}")
     if ours.planner_data != theirs.planner_data:
         problems.append("planner_data")
+    # the index dcpkit writes beside .metadata says what .metadata says, entry for entry
+    from dcpkit.formats.dcp_index import DcpIndex
+
+    indexed = DcpIndex(f"{ours_path}/.metadata.index").metadata()
+
+    def entries(md):
+        return {
+            (k.fqn, tuple(k.offset) if k.offset is not None else None): (
+                v.relative_path,
+                v.offset,
+                v.length,
+            )
+            for k, v in md.storage_data.items()
+        }
+
+    if entries(indexed) != entries(ours) or set(indexed.state_dict_metadata) != set(
+        ours.state_dict_metadata
+    ):
+        problems.append("index")
     chunks = sum(len(getattr(md, "chunks", ())) for md in ours.state_dict_metadata.values())
     return {"problems": problems, "keys": len(ours.state_dict_metadata), "chunks": chunks}
 

@@ -182,3 +182,27 @@ def writes(layout: Layout, size: tuple[int, ...], key_number: int, world: int) -
     replicas = math.prod(layout.mesh[m] for m in layout.replicated)
     replica = _linear(layout.coordinate, layout.mesh, layout.replicated)
     return replica == (key_number + shard) % replicas
+
+
+_positions: dict[tuple, dict[int, int]] = {}  # type: ignore[type-arg]
+
+
+def chunk_number(size: tuple[int, ...], layout: Layout, offsets: tuple[int, ...]) -> int:
+    """The place of the chunk at ``offsets`` in ``chunks(size, layout)``."""
+    if math.prod(size) == 0:
+        return 0
+    number = 0
+    for d, n in enumerate(size):
+        key = (n, layout.mesh, layout.splits[d])
+        where = _positions.get(key)
+        if where is None:
+            pieces = _pieces(n, layout, layout.splits[d], False)
+            where = _positions[key] = {p[0]: i for i, p in enumerate(pieces)}
+        number = number * len(where) + where[offsets[d]]
+    return number
+
+
+def pieces(n: int, layout: Layout, dims: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The pieces with data of a tensor dim of ``n`` split by ``dims``: (offset, size), in the
+    order ``chunks`` lists them."""
+    return [(off, size) for off, size, _ in _pieces(n, layout, dims, False)]

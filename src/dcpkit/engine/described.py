@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from dcpkit import dist
-from dcpkit.engine.chunk_layout import Layout, chunk_at, chunks, writes
+from dcpkit.engine.chunk_layout import Layout, chunk_at, writes
 
 ENV = "DCPKIT_DESCRIBED_PLANS"
 
@@ -162,6 +162,8 @@ def decide(
     mine: Description,
     first: list[int],
     second: list[int] | None,
+    rank: int,
+    world: int,
 ) -> tuple[Agreed | None, str]:
     """From the reduced vectors (the same on every rank): this rank's share, or (None, why)."""
     if first[0]:
@@ -171,7 +173,7 @@ def decide(
     per_rank = {n for i, n in enumerate(mine.names) if second[3 * i] != -second[3 * i + 1]}
     if any(second[3 * mine.names.index(n) + 2] for n in per_rank):
         return None, "a state with DTensors differs between ranks"
-    return _share(plan, layouts, mappings, per_rank, dist.rank(), dist.world_size()), ""
+    return _share(plan, layouts, mappings, per_rank, rank, world), ""
 
 
 def agree(
@@ -183,7 +185,7 @@ def agree(
     first = dist.all_min(mine.first(), group)
     same = not first[0] and first[1] == -first[2]
     second = dist.all_min(mine.second(), group) if same else None
-    return decide(plan, layouts, mappings, mine, first, second)
+    return decide(plan, layouts, mappings, mine, first, second, dist.rank(), dist.world_size())
 
 
 def _group(fqn: str, mappings: dict[str, Any]) -> str:
@@ -247,12 +249,9 @@ def _nbytes(item: WriteItem) -> int:
     return math.prod(data.size) * data.properties.dtype.itemsize
 
 
-def entries(agreed: Agreed) -> dict[str, Any]:
-    """The coordinator: the metadata of everything described (every DTensor's chunks from its
-    layout; the values all ranks hold alike from its own plan)."""
+def shared_entries(agreed: Agreed) -> dict[str, Any]:
+    """The coordinator: the metadata of the values all ranks hold alike (from its own plan)."""
     out: dict[str, Any] = {}
-    for fqn, (props, size, layout) in agreed.dtensors.items():
-        out[fqn] = TensorStorageMetadata(props, torch.Size(size), chunks(size, layout))
     for item in agreed.shared:
         fqn = item.index.fqn
         if item.type == WriteItemType.BYTE_IO:
@@ -263,3 +262,9 @@ def entries(agreed: Agreed) -> dict[str, Any]:
             whole = ChunkStorageMetadata(torch.Size([0] * len(data.size)), data.size)
             out[fqn] = TensorStorageMetadata(data.properties, data.size, [whole])
     return out
+
+
+def numbered(agreed: Agreed) -> list[tuple[str, Any, tuple[int, ...], Layout]]:
+    """Every DTensor as (key, properties, shape, layout), sorted by key: a key's number is its
+    place here (``writes``, ``described_write.CompactResults``)."""
+    return [(fqn, *agreed.dtensors[fqn]) for fqn in sorted(agreed.dtensors)]

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from dcpkit import dist
 from dcpkit.dist import paused_gc
 from dcpkit.engine import chunk_layout, described, plan_seed
+from dcpkit.engine.described_write import StreamedMetadata, compact
 from dcpkit.engine.plan_seed import Seed
 from dcpkit.formats.structure import chunk_problems
 
@@ -61,6 +62,9 @@ CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__
 _keys = itertools.count()
 _global_plans: Counter[str] = Counter()
 _described_plans: Counter[str] = Counter()
+_numbers: dict[str, dict[str, Any]] = {}
+"""Per key of a described save: every DTensor's (number, shape, layout), for its ranks' write
+results (``described_write.compact``), at that save and every cached one after it."""
 _seeded: set[str] = set()
 """Keys whose cache came from a checkpoint (``plan_seed``): the coordinator holds no rank's
 plan, so a save where any rank's plan changed plans in full on every rank."""
@@ -100,6 +104,7 @@ def described_plans(key: str) -> int:
 def forget(key: str) -> None:
     """Drop the plans cached under ``key`` (the coordinator holds every rank's)."""
     _seeded.discard(key)
+    _numbers.pop(key, None)
     for cache in (
         "_cached_save_plan",
         "_cached_final_save_plan",
@@ -127,6 +132,7 @@ class CachingPlanner(DefaultSavePlanner):
         self._seeded_final: SavePlan | None = None
         self._seeded_index: Any = None
         self._agreed: described.Agreed | None = None
+        self.streams = False  # whether the storage writer writes a StreamedMetadata
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         """DCP's ``torch.save`` of a stored value, made once per distinct small value of a
@@ -159,6 +165,11 @@ class CachingPlanner(DefaultSavePlanner):
         if errors:
             summary = "; ".join(errors)
             raise ValueError(f"the global save plan is invalid: {summary[:500]}")
+        if self._agreed is not None:  # the described entries: listed as .metadata is written
+            metadata.state_dict_metadata.update(described.shared_entries(self._agreed))
+            paths = {**self._agreed.mappings, **(metadata.planner_data or {})}
+            metadata.planner_data = paths if self.flatten_state_dict else None
+            metadata = StreamedMetadata(metadata, described.numbered(self._agreed))
         return global_plan, metadata
 
     def create_local_plan(self) -> SavePlan:
@@ -176,12 +187,11 @@ class CachingPlanner(DefaultSavePlanner):
         if agreed is not None:  # this rank's share, with its per-rank states' planned items
             items = [*agreed.owned, *new_plan.items]
             new_plan = dataclasses.replace(new_plan, items=items, planner_data=self.mappings)
-            if self.is_coordinator:  # the metadata of the described state, while the ranks write
-                metadata = self.metadata
-                with paused_gc():
-                    metadata.state_dict_metadata.update(described.entries(agreed))
-                if self.flatten_state_dict:
-                    metadata.planner_data = {**agreed.mappings, **(metadata.planner_data or {})}
+            numbers = described.numbered(agreed)
+            _numbers[self._cached_plans_key] = {
+                fqn: (number, size, layout)
+                for number, (fqn, _, size, layout) in enumerate(numbers)
+            }
         if self._seeded_final is not None:  # this rank's share of the checkpoint's plan
             new_plan = dataclasses.replace(self._seeded_final, storage_data=new_plan.storage_data)
             self._seeded_final = None
@@ -227,8 +237,17 @@ class CachingPlanner(DefaultSavePlanner):
 
     def _described_ok(self) -> bool:
         """Whether a first save may be planned from the description: on for several ranks
-        (the same environment on every rank decides alike)."""
-        return described.enabled() and dist.world_size() > 1 and self.flatten_state_dict
+        whose storage writer streams the metadata (the same everywhere)."""
+        return (
+            described.enabled() and dist.world_size() > 1 and self.flatten_state_dict
+            and self.streams
+        )  # fmt: skip
+
+    def compact_results(self, results: list[Any]) -> Any:
+        """This rank's write results as the storage writer sends them to the coordinator: rows
+        of integers for a described save's chunks (``described_write``)."""
+        numbers = _numbers.get(self._cached_plans_key)
+        return results if numbers is None else compact(results, numbers)
 
     def _plan_described(self, plan: SavePlan) -> SavePlan | None:
         """Every rank: this rank's share of the save from the description all ranks agree on

@@ -119,10 +119,13 @@ def _write_once(
     failure = _attempt(lambda: pending.prepare(), info, sized) if rank == 0 else None
     _raise_if(dist.broadcast_object(failure, group=group))
     try:
+        writer = pending.dcp_writer()
+        if planner is not None:  # a save planned from the ranks' layout needs the writer's
+            planner.streams = getattr(writer, "streams_metadata", False)
         with dist.quiet_single_process():
             dcp.save(
                 state,
-                storage_writer=pending.dcp_writer(),
+                storage_writer=writer,
                 planner=planner,
                 process_group=group,
                 no_dist=not dist.is_dist(),
@@ -182,6 +185,9 @@ def _index_of(planner: Any, written: dict[str, Any]) -> bytes | None:
     own (not reachable), or the metadata holds what the index cannot express; loads then read
     ``.metadata`` itself."""
     md = getattr(planner, "metadata", None)
+    streamed = getattr(md, "encode_index", None)  # built as the .metadata was written
+    if streamed is not None:
+        return streamed(written["size"], written[CHECKSUM_ALGORITHM])
     if md is None or not getattr(md, "storage_data", None):
         return None
     try:

@@ -20,74 +20,98 @@ def encode_index(md: Any, metadata_size: int, metadata_xxh3: str) -> bytes | Non
 
     from dcpkit.dist import paused_gc
 
-    paths = md.planner_data if isinstance(md.planner_data, dict) else {}
-
-    def path(fqn: str) -> dict[str, Any]:  # the key's place in the nested state dict
-        found = paths.get(fqn)
-        return {"p": list(found)} if isinstance(found, tuple | list) else {}
-
-    files: dict[str, int] = {}
-    entries: list[dict[str, Any]] = []
-    tables = array("q")
+    index = IndexBuilder(md.planner_data)
     with paused_gc():
         # (fqn, offsets) -> storage: one pass over the entries, without building a
         # MetadataIndex (a dataclass hashed in Python) per chunk
         stored = {(k.fqn, k.offset): v for k, v in (md.storage_data or {}).items()}
         for fqn, tmd in md.state_dict_metadata.items():
             if not isinstance(tmd, TensorStorageMetadata):
-                info = stored.get((fqn, None))
-                if info is None or getattr(info, "transform_descriptors", None):
+                if not index.add_object(fqn, stored.get((fqn, None))):
                     return None
-                f = files.setdefault(info.relative_path, len(files))
-                entries.append({"k": fqn, "b": [f, info.offset, info.length], **path(fqn)})
                 continue
-            if not _plain_properties(tmd.properties):
-                return None
-            ndim = len(tmd.size)
-            rows: list[tuple[Any, Any, Any]] = []
+            rows = []
             for chunk in tmd.chunks:
                 info = stored.get((fqn, chunk.offsets))
                 if info is None or getattr(info, "transform_descriptors", None):
                     return None
-                rows.append((chunk.offsets, chunk.sizes, info))
-            dim = _sort_dim(rows, ndim)
-            if ndim:
-                rows.sort(key=lambda r: r[0][dim])
-            entries.append(
-                {
-                    "k": fqn,
-                    "dtype": str(tmd.properties.dtype).removeprefix("torch."),
-                    "grad": bool(tmd.properties.requires_grad),
-                    "size": [int(s) for s in tmd.size],
-                    "n": len(rows),
-                    "dim": dim,
-                    "max": max((r[1][dim] for r in rows), default=0) if ndim else 0,
-                    "at": len(tables) * 8,
-                    **path(fqn),
-                }
-            )
-            tables.extend([r[0][dim] for r in rows] if ndim else [0] * len(rows))
-            for off, sizes, info in rows:
-                f = files.get(info.relative_path)
-                if f is None:
-                    f = files[info.relative_path] = len(files)
-                tables.extend(off)
-                tables.extend(sizes)
-                tables.extend((f, info.offset, info.length))
-    if sys.byteorder != "little":
-        tables.byteswap()
-    header = json.dumps(
-        {
-            "version": 1,
-            "metadata": {"bytes": metadata_size, "xxh3": metadata_xxh3},
-            "files": list(files),
-            "keys": entries,
-            "tables_bytes": len(tables) * 8,
-        },
-        separators=(",", ":"),
-    ).encode()
-    pad = b"\0" * (-(len(MAGIC) + 8 + len(header)) % 8)
-    return MAGIC + struct.pack("<Q", len(header)) + header + pad + tables.tobytes()
+                rows.append(
+                    (chunk.offsets, chunk.sizes, info.relative_path, info.offset, info.length)
+                )
+            if not index.add_tensor(fqn, tmd, rows):
+                return None
+    return index.encode(metadata_size, metadata_xxh3)
+
+
+class IndexBuilder:
+    """The index, key by key (a streamed ``.metadata``'s writer adds each tensor as it goes)."""
+
+    def __init__(self, planner_data: Any) -> None:
+        self.paths = planner_data if isinstance(planner_data, dict) else {}
+        self.files: dict[str, int] = {}
+        self.entries: list[dict[str, Any]] = []
+        self.tables = array("q")
+
+    def _path(self, fqn: str) -> dict[str, Any]:  # the key's place in the nested state dict
+        found = self.paths.get(fqn)
+        return {"p": list(found)} if isinstance(found, tuple | list) else {}
+
+    def add_object(self, fqn: str, info: Any) -> bool:
+        if info is None or getattr(info, "transform_descriptors", None):
+            return False
+        f = self.files.setdefault(info.relative_path, len(self.files))
+        self.entries.append({"k": fqn, "b": [f, info.offset, info.length], **self._path(fqn)})
+        return True
+
+    def add_tensor(self, fqn: str, tmd: Any, rows: list[tuple[Any, ...]]) -> bool:
+        """``rows``: per chunk (offsets, sizes, file, offset, length)."""
+        if not _plain_properties(tmd.properties):
+            return False
+        ndim = len(tmd.size)
+        dim = _sort_dim(rows, ndim)
+        if ndim:
+            rows.sort(key=lambda r: r[0][dim])
+        tables, files = self.tables, self.files
+        self.entries.append(
+            {
+                "k": fqn,
+                "dtype": str(tmd.properties.dtype).removeprefix("torch."),
+                "grad": bool(tmd.properties.requires_grad),
+                "size": [int(s) for s in tmd.size],
+                "n": len(rows),
+                "dim": dim,
+                "max": max((r[1][dim] for r in rows), default=0) if ndim else 0,
+                "at": len(tables) * 8,
+                **self._path(fqn),
+            }
+        )
+        tables.extend([r[0][dim] for r in rows] if ndim else [0] * len(rows))
+        for off, sizes, path, offset, length in rows:
+            f = files.get(path)
+            if f is None:
+                f = files[path] = len(files)
+            tables.extend(off)
+            tables.extend(sizes)
+            tables.extend((f, offset, length))
+        return True
+
+    def encode(self, metadata_size: int, metadata_xxh3: str) -> bytes:
+        tables = self.tables
+        if sys.byteorder != "little":
+            tables = array("q", tables)
+            tables.byteswap()
+        header = json.dumps(
+            {
+                "version": 1,
+                "metadata": {"bytes": metadata_size, "xxh3": metadata_xxh3},
+                "files": list(self.files),
+                "keys": self.entries,
+                "tables_bytes": len(tables) * 8,
+            },
+            separators=(",", ":"),
+        ).encode()
+        pad = b"\0" * (-(len(MAGIC) + 8 + len(header)) % 8)
+        return MAGIC + struct.pack("<Q", len(header)) + header + pad + tables.tobytes()
 
 
 def _sort_dim(rows: list[tuple[Any, Any, Any]], ndim: int) -> int:

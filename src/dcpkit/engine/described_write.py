@@ -1,0 +1,217 @@
+"""The ``.metadata`` of a described save (``described``), written as a stream.
+
+A checkpoint of Llama 3 405B + AdamW at 8192 ranks holds ~23 M chunks. As DCP writes its
+``.metadata``, the coordinator first receives one ``WriteResult`` per chunk from the ranks, holds
+every chunk and storage entry as Python objects, and pickles them at once: tens of GiB. Here the
+ranks send their write results as rows of integers (``CompactResults``: key, chunk, file, offset,
+length; 28 bytes a chunk), and the coordinator writes ``.metadata`` one tensor at a time: each
+tensor's chunks listed from its layout, pickled (protocol 2, each piece with a memo of its own),
+appended to the file and dropped. The file is DCP's ``Metadata`` as DCP pickles it: DCP,
+TorchTitan and dcpkit read it unchanged. The index of ``.metadata`` is built in the same pass.
+
+A chunk written by no rank, or by two, fails the save naming the key: never a checkpoint that
+does not hold what its metadata says.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from dcpkit.engine.chunk_layout import Layout, chunk_at, chunk_number, chunks, pieces
+from dcpkit.formats.dcp_index_write import IndexBuilder
+
+ROW = np.dtype(
+    [("key", "<i4"), ("chunk", "<i4"), ("file", "<i4"), ("offset", "<i8"), ("length", "<i8")]
+)
+_BATCH = 20_000
+"""Chunks pickled per piece of ``.metadata``."""
+
+
+class CompactResults:
+    """One rank's write results: a row per chunk of a described DTensor, the rest as DCP's."""
+
+    def __init__(self, files: list[str], rows: np.ndarray, others: list[Any]) -> None:
+        self.files, self.rows, self.others = files, rows, others
+
+
+def compact(results: list[Any], numbers: dict[str, tuple[int, tuple[int, ...], Layout]]) -> Any:
+    """``results`` (a rank's ``WriteResult`` list) with the described chunks as rows."""
+    files: dict[str, int] = {}
+    rows, others = [], []
+    for wr in results:
+        found = numbers.get(wr.index.fqn)
+        info = wr.storage_data
+        if found is None or type(info) is not _StorageInfo or info.transform_descriptors:
+            others.append(wr)
+            continue
+        key, size, layout = found
+        number = chunk_number(size, layout, tuple(wr.index.offset))
+        f = files.setdefault(info.relative_path, len(files))
+        rows.append((key, number, f, info.offset, info.length))
+    return CompactResults(list(files), np.array(rows, dtype=ROW), others)
+
+
+class StreamedMetadata(Metadata):
+    """The coordinator's metadata of a described save: every entry but the described DTensors
+    (``state_dict_metadata``), and those as (key, properties, shape, layout), sorted by key (a
+    key's place is its number in ``CompactResults``). The storage writer calls
+    ``write_streamed``; DCP broadcasts this small object to every rank after the save."""
+
+    def __init__(self, base: Metadata, dtensors: list[tuple[str, Any, tuple[int, ...], Layout]]):
+        super().__init__(state_dict_metadata=base.state_dict_metadata)
+        self.planner_data = base.planner_data
+        self.dtensors = dtensors
+        self._index: IndexBuilder | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_index": None, "storage_data": None}
+
+    def encode_index(self, metadata_size: int, metadata_xxh3: str) -> bytes | None:
+        """The index of the ``.metadata`` just written (None when it cannot express it)."""
+        index, self._index = self._index, None
+        return index.encode(metadata_size, metadata_xxh3) if index is not None else None
+
+    def write_streamed(self, f: Any, results: list[Any], storage_meta: Any, version: str) -> None:
+        """Write ``.metadata`` to ``f`` from the ranks' write results, building its index."""
+        from dcpkit.dist import paused_gc
+
+        self.storage_meta, self.version, self.storage_data = storage_meta, version, None
+        rows, files, others = _merge(results)
+        index: IndexBuilder | None = IndexBuilder(self.planner_data)
+        out = _Out(f)
+        out.raw(b"\x80\x02c" + b"torch.distributed.checkpoint.metadata\nMetadata\n)\x81}")
+        with paused_gc():
+            out.key("state_dict_metadata")
+            out.raw(b"}" + _items(self.state_dict_metadata))
+            batch: dict[str, Any] = {}
+            held = 0
+            for fqn, props, size, layout in self.dtensors:
+                listed = chunks(size, layout)
+                batch[fqn] = TensorStorageMetadata(props, torch.Size(size), listed)
+                held += len(listed)
+                if held >= _BATCH:
+                    out.raw(_items(batch))
+                    batch, held = {}, 0
+            out.raw(_items(batch) + b"s")
+            out.key("planner_data")
+            out.value(self.planner_data)
+            out.key("storage_data")
+            stored = {wr.index: wr.storage_data for wr in others}
+            out.raw(b"}" + _items(stored))
+            index = _index_small(index, self.state_dict_metadata, stored)
+            starts = np.searchsorted(rows["key"], np.arange(len(self.dtensors) + 1))
+            for number, (fqn, props, size, layout) in enumerate(self.dtensors):
+                mine = rows[starts[number] : starts[number + 1]]
+                entries, index_rows = _storage(fqn, size, layout, mine, files)
+                out.raw(_items(entries))
+                if index is not None:
+                    md = TensorStorageMetadata(props, torch.Size(size), [])
+                    index = index if index.add_tensor(fqn, md, index_rows) else None
+            out.raw(b"s")
+            out.key("storage_meta")
+            out.value(storage_meta)
+            out.key("version")
+            out.value(version)
+        out.raw(b"b.")  # BUILD, STOP
+        self._index = index
+
+
+def _merge(results: list[Any]) -> tuple[np.ndarray, list[str], list[Any]]:
+    """Every rank's rows (file numbers made global), sorted by key and chunk; the files; the
+    other write results."""
+    files: dict[str, int] = {}
+    parts, others = [], []
+    for part in results:
+        if not isinstance(part, CompactResults):
+            others += part
+            continue
+        others += part.others
+        if len(part.rows):
+            remap = np.array([files.setdefault(p, len(files)) for p in part.files], np.int32)
+            rows = part.rows.copy()
+            rows["file"] = remap[rows["file"]]
+            parts.append(rows)
+    rows = np.concatenate(parts) if parts else np.empty(0, ROW)
+    rows = rows[np.lexsort((rows["chunk"], rows["key"]))]
+    return rows, list(files), others
+
+
+def _storage(
+    fqn: str, size: tuple[int, ...], layout: Layout, rows: np.ndarray, files: list[str]
+) -> tuple[dict[Any, Any], list[tuple[Any, ...]]]:
+    """One tensor's storage entries, and its index rows."""
+    if math.prod(size) == 0:  # one zero-size chunk (``chunks``)
+        at = chunk_at(size, layout, (0,) * len(layout.mesh))
+        per_dim = [[(o, s)] for o, s in zip(*at)]
+    else:
+        per_dim = [pieces(n, layout, layout.splits[d]) for d, n in enumerate(size)]
+    count = math.prod(len(p) for p in per_dim)
+    if len(rows) != count or (count and not np.array_equal(rows["chunk"], np.arange(count))):
+        raise RuntimeError(
+            f"{fqn}: the ranks wrote {len(rows)} chunks of its {count}, or some twice: the "
+            "save's plan and its writes differ"
+        )
+    grids = np.meshgrid(*(np.arange(len(p)) for p in per_dim), indexing="ij")
+    flat = [g.reshape(-1) for g in grids]
+    entries: dict[Any, Any] = {}
+    index_rows = []
+    for i in range(count):
+        offsets = tuple(per_dim[d][flat[d][i]][0] for d in range(len(size)))
+        sizes = tuple(per_dim[d][flat[d][i]][1] for d in range(len(size)))
+        row = rows[i]
+        path, offset, length = files[row["file"]], int(row["offset"]), int(row["length"])
+        entries[MetadataIndex(fqn, torch.Size(offsets), i)] = _StorageInfo(path, offset, length)
+        index_rows.append((offsets, sizes, path, offset, length))
+    return entries, index_rows
+
+
+def _index_small(index: IndexBuilder | None, small: dict[str, Any], stored: dict) -> Any:  # type: ignore[type-arg]
+    """The index entries of everything but the described DTensors."""
+    by_key = {(k.fqn, k.offset): v for k, v in stored.items()}
+    for fqn, md in small.items():
+        if index is None:
+            return None
+        if not isinstance(md, TensorStorageMetadata):
+            index = index if index.add_object(fqn, by_key.get((fqn, None))) else None
+            continue
+        rows = []
+        for c in md.chunks:
+            info = by_key.get((fqn, c.offsets))
+            if info is None or info.transform_descriptors:
+                return None
+            rows.append((c.offsets, c.sizes, info.relative_path, info.offset, info.length))
+        index = index if index.add_tensor(fqn, md, rows) else None
+    return index
+
+
+def _items(d: dict[Any, Any]) -> bytes:
+    """The SETITEMS of ``d`` pickled (protocol 2), without the dict itself: they apply to the
+    dict on top of the stack. Each piece's memo starts at 0 and only its own opcodes refer to
+    it (PUT and GET carry their index at protocol 2)."""
+    body = pickle.dumps(d, protocol=2)[2:-1]
+    if body[1:2] == b"q":  # EMPTY_DICT, BINPUT i
+        return body[3:]
+    return body[6:] if body[1:2] == b"r" else body[1:]  # LONG_BINPUT i
+
+
+class _Out:
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def raw(self, data: bytes) -> None:
+        self.f.write(data)
+
+    def key(self, name: str) -> None:
+        data = name.encode()
+        self.f.write(b"X" + struct.pack("<I", len(data)) + data)
+
+    def value(self, obj: Any) -> None:
+        self.f.write(pickle.dumps(obj, protocol=2)[2:-1] + b"s")
