@@ -41,6 +41,7 @@ import json
 import math
 import pickle
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -235,7 +236,6 @@ def described_cell(flavor: str, world: int, metadata: bool) -> dict:  # type: ig
     per-rank state (its dataloader entry). That is the save's blocking part: the writes start
     after it. Then, while the ranks write (``metadata``), the coordinator lists every chunk from
     the layouts and pickles ``.metadata`` with a storage entry per chunk."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
@@ -270,7 +270,7 @@ def described_cell(flavor: str, world: int, metadata: bool) -> dict:  # type: ig
     planner = planning.CachingPlanner(key)
     planner._agreed = agreed  # what the coordinator's create_local_plan left (``agree``)
     t0 = time.perf_counter()
-    final, md = planner.create_global_plan(sent)
+    _, md = planner.create_global_plan(sent)
     plan_s = time.perf_counter() - t0
     blocking_peak = _rss("VmHWM") - base
     row = {
@@ -287,24 +287,122 @@ def described_cell(flavor: str, world: int, metadata: bool) -> dict:  # type: ig
         "described_plans": planning.described_plans(key),
     }
     if metadata:
-        t0 = time.perf_counter()
-        md.state_dict_metadata.update(described.entries(agreed))
-        entries_s = time.perf_counter() - t0
-        storage = {}  # what DCP's finish gathers from the writers: a storage entry per chunk
-        for fqn, m in md.state_dict_metadata.items():
-            for c in getattr(m, "chunks", [None]):
-                offsets = c.offsets if c is not None else None
-                storage[MetadataIndex(fqn, offsets)] = _StorageInfo("__0_0.distcp", 0, 64)
-        md.storage_data = storage
-        written = pickle.dumps(md)
-        row.update(
-            described_metadata_s=time.perf_counter() - t0,
-            described_entries_s=entries_s,
-            described_chunks=sum(len(getattr(m, "chunks", ())) for m in md.state_dict_metadata.values()),
-            described_metadata_bytes=len(written),
-            described_peak_bytes=_rss("VmHWM") - base,
-        )
+        row.update(_streamed_metadata(md, agreed, world))
     return row
+
+
+def _reset_peak() -> None:
+    """Start the peak resident memory (VmHWM) over from the current one (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _streamed_metadata(md, agreed, world: int) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """The described save's finish on its coordinator: every rank's write results (rows of
+    integers, each chunk with one owner), received as the gather brings them (pickled, one per
+    rank), then ``.metadata`` and its index written one tensor at a time (``write_streamed``,
+    what the storage writer calls), to a real file, hashed as it is written. Its own time and
+    peak memory (the results' simulation before it is not counted)."""
+    import gc
+    import tempfile
+
+    import numpy as np
+    import xxhash
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from dcpkit.engine.chunk_layout import pieces
+    from dcpkit.engine.described_write import ROW, CompactResults
+
+    parts = []  # (key, chunk, owner) for every chunk: rank = (key + chunk) % world
+    for number, (_, _, size, layout) in enumerate(md.dtensors):
+        count = math.prod(len(pieces(n, layout, layout.splits[d])) for d, n in enumerate(size))
+        chunk = np.arange(count, dtype=np.int64)
+        parts.append(np.stack([np.full(count, number), chunk, (chunk + number) % world]))
+    every = np.concatenate(parts, axis=1)
+    del parts
+    order = np.argsort(every[2], kind="stable")
+    every = every[:, order]
+    bounds = np.searchsorted(every[2], np.arange(world + 1))
+    small = []  # the other entries' results (the coordinator's values, the per-rank entries)
+    for fqn, entry in md.state_dict_metadata.items():
+        offset = entry.chunks[0].offsets if isinstance(entry, TensorStorageMetadata) else None
+        small.append(
+            WriteResult(MetadataIndex(fqn, offset), 64, _StorageInfo("__0_0.distcp", 0, 64))
+        )
+    with tempfile.TemporaryDirectory(prefix="dcpkit-meta-") as tmp:
+        sent = Path(tmp) / "results"
+        gathered = 0
+        with open(sent, "wb") as f:
+            for rank in range(world):
+                mine = every[:, bounds[rank] : bounds[rank + 1]]
+                rows = np.zeros(mine.shape[1], ROW)
+                rows["key"], rows["chunk"] = mine[0], mine[1]
+                rows["offset"] = np.arange(mine.shape[1]) * 4096
+                rows["length"] = 4096
+                data = pickle.dumps(
+                    CompactResults([f"__{rank}_0.distcp"], rows, small if rank == 0 else [])
+                )
+                f.write(struct.pack("<Q", len(data)) + data)
+                gathered += len(data)
+        del every, order, mine, rows, data
+        gc.collect()
+        _reset_peak()
+        base = _rss("VmRSS")
+        t0 = time.perf_counter()
+        results = []
+        with open(sent, "rb") as f:  # what the coordinator receives, one rank's results each
+            for _ in range(world):
+                (n,) = struct.unpack("<Q", f.read(8))
+                results.append(pickle.loads(f.read(n)))
+        receive_s = time.perf_counter() - t0
+        hasher = xxhash.xxh3_64()
+
+        class Hashed:  # hashed as written, as the store's writer does
+            def __init__(self, f):  # type: ignore[no-untyped-def]
+                self.f, self.n = f, 0
+
+            def write(self, data):  # type: ignore[no-untyped-def]
+                hasher.update(data)
+                self.n += len(data)
+                return self.f.write(data)
+
+        t0 = time.perf_counter()
+        with open(Path(tmp) / ".metadata", "wb") as raw:
+            out = Hashed(raw)
+            md.write_streamed(out, results, None, "1.0.0")
+        del results
+        index = md.encode_index(out.n, hasher.hexdigest())
+        write_s = time.perf_counter() - t0
+        peak = _rss("VmHWM") - base
+        checked = None
+        if bounds[-1] <= 2_000_000:  # read back as a load reads it: every chunk, checked
+            from dcpkit.formats.structure import metadata_problems
+            from dcpkit.safe_pickle import load_metadata
+
+            with open(Path(tmp) / ".metadata", "rb") as f:
+                parsed = load_metadata(f, ".metadata")
+            problems = metadata_problems(parsed)
+            assert not problems, problems[:3]
+            listed = sum(len(getattr(m, "chunks", ())) for m in parsed.state_dict_metadata.values())
+            checked = listed - sum(
+                len(getattr(m, "chunks", ())) for m in md.state_dict_metadata.values()
+            )
+            assert checked == bounds[-1], (checked, bounds[-1])
+        return {
+            "described_results_bytes": gathered,
+            "described_receive_s": receive_s,
+            "described_metadata_s": write_s,
+            "described_metadata_bytes": out.n,
+            "described_index_bytes": len(index or b""),
+            "described_chunks": int(bounds[-1]),
+            "described_chunks_read_back": checked,
+            "described_peak_bytes": peak,
+        }
 
 
 def cell(flavor: str, world: int, stock: bool) -> dict:
@@ -601,13 +699,23 @@ def main() -> int:
         default="1,2,4,8",
         help="replica counts a load is measured at (the trainer under torchrun); '' skips it",
     )
+    parser.add_argument(
+        "--described-max-items",
+        type=float,
+        default=1.5e8,
+        help="largest cell whose described save writes its .metadata here (default: all)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path, help="plot (default: next to --json)")
     parser.add_argument("--_cell", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts._cell:
-        flavor, world, stock = opts._cell.split(":")
-        print("RESULT " + json.dumps(cell(flavor, int(world), stock == "1")), flush=True)
+        flavor, world, stock, *kind = opts._cell.split(":")
+        if kind:
+            out = described_cell(flavor, int(world), stock == "1")
+        else:
+            out = cell(flavor, int(world), stock == "1")
+        print("RESULT " + json.dumps(out), flush=True)
         return 0
     models = [m.strip() for m in opts.models.split(",") if m.strip()]
     for m in models:
@@ -667,6 +775,41 @@ def main() -> int:
             rows.append(
                 {"model": m, "world": w, "items": items_per_rank(m) * w, "measured": False, **est}
             )
+    for m in models:  # a job's first save planned from the layout: measured at every size
+        for w in worlds:
+            full = items_per_rank(m) * w <= opts.described_max_items
+            proc = subprocess.run(
+                [sys.executable, __file__, "--_cell", f"{m}:{w}:{int(full)}:described"],
+                capture_output=True,
+                text=True,
+            )
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                print(
+                    f"{m} at {w} ranks (described) failed:\n{proc.stderr[-2000:]}", file=sys.stderr
+                )
+                return 1
+            d = json.loads(line[len("RESULT ") :])
+            row = next((r for r in rows if r["model"] == m and r["world"] == w), None)
+            if row is None:  # no planning figures at this size (too few measured to fit)
+                row = {"model": m, "world": w, "items": items_per_rank(m) * w, "measured": False}
+                rows.append(row)
+            row.update(d)
+            meta = (
+                f"; .metadata {d['described_metadata_bytes'] / 2**20:.1f} MiB written in "
+                f"{d['described_metadata_s']:.2f} s from {d['described_results_bytes'] / 2**20:.1f}"
+                f" MiB of write results, peak {d['described_peak_bytes'] / 2**30:.2f} GiB"
+                if "described_metadata_s" in d
+                else ""
+            )
+            print(
+                f"  {m:>4} {w:>5} ranks, first save planned from the layout: blocking "
+                f"{d['described_blocking_s']:.3f} s (global plannings "
+                f"{d['described_global_plans']}), {d['described_gathered_bytes'] / 2**10:.1f} KiB "
+                f"of per-rank plans gathered, peak {d['described_blocking_peak_bytes'] / 2**20:.0f}"
+                f" MiB{meta}",
+                flush=True,
+            )
     rows.sort(key=lambda r: (models.index(r["model"]), r["world"]))
     print(
         f"\n{'model':>5} {'ranks':>6} {'items M':>8} {'plan s':>8} {'DCP s':>7} "
@@ -687,6 +830,27 @@ def main() -> int:
             f"{r['load_check_s']:>8.2f} {r['index_bytes'] / 2**20:>9.1f} {r['index_s']:>7.2f} "
             f"{r['load_index_s']:>12.3f} {r['index_check_s']:>12.3f} "
             f"{r['restart_claim_s']:>14.3f} {r['restart_metadata_s']:>15.2f}{tag}"
+        )
+    print(
+        f"\na job's first save planned from the layout the ranks share:\n{'model':>5} {'ranks':>6} "
+        f"{'blocking s':>10} {'gathered KiB':>12} {'blocking peak MiB':>17} {'.metadata MiB':>13} "
+        f"{'written s':>9} {'results MiB':>11} {'peak GiB':>8} {'before: plan s':>14}"
+    )
+    for r in rows:
+        if "described_blocking_s" not in r:
+            continue
+        written = (
+            f"{r['described_metadata_bytes'] / 2**20:>13.1f} {r['described_metadata_s']:>9.2f} "
+            f"{r['described_results_bytes'] / 2**20:>11.1f} "
+            f"{r['described_peak_bytes'] / 2**30:>8.2f}"
+            if "described_metadata_s" in r
+            else f"{'-':>13} {'-':>9} {'-':>11} {'-':>8}"
+        )
+        before = f"{r['global_plan_s']:>14.2f}" if "global_plan_s" in r else f"{'-':>14}"
+        print(
+            f"{r['model']:>5} {r['world']:>6} {r['described_blocking_s']:>10.3f} "
+            f"{r['described_gathered_bytes'] / 2**10:>12.1f} "
+            f"{r['described_blocking_peak_bytes'] / 2**20:>17.0f} {written} {before}"
         )
     print("\ngrowth exponent, log-log fit over the measured world sizes >= 32 (1.0 = linear):")
     for m, g in growth.items():

@@ -165,3 +165,93 @@ def test_described_plans_can_be_turned_off(tmp_path, monkeypatch):
     assert [r["plans"] for r in ranks] == [[1, 1], [0, 0]]  # rank 0 plans the first save
     assert "planned from the layout" not in proc.stderr
     assert all(r["bitwise"] == [True, True] for r in ranks)
+
+
+def _streamed_case():
+    """A described save's coordinator side, by hand: two DTensors and a value, the write
+    results of 4 ranks as rows, and the Metadata DCP's own finish would pickle for them."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from dcpkit.engine.described_write import StreamedMetadata, compact
+
+    props = TensorProperties(dtype=torch.float32)
+    col = Layout((2, 2), 0, (2, 1), (0, 0), ((1, 0), ()), ())  # FSDP inside TP's piece
+    row = Layout((2, 2), 0, (2, 1), (0, 0), ((0,), (1,)), ())
+    dtensors = [("a.w", props, (17, 4), col), ("b.w", props, (6, 10), row)]
+    numbers = {fqn: (i, size, lay) for i, (fqn, _, size, lay) in enumerate(dtensors)}
+    results, expected_storage, expected = [[] for _ in range(4)], {}, {}
+    for fqn, _, size, lay in dtensors:
+        listed = chunk_layout.chunks(size, lay)
+        expected[fqn] = TensorStorageMetadata(props, torch.Size(size), listed)
+        for i, c in enumerate(listed):
+            rank = i % 4
+            info = _StorageInfo(f"__{rank}_0.distcp", 1000 * i, 7 + i)
+            results[rank].append(WriteResult(MetadataIndex(fqn, c.offsets), 7 + i, info))
+            expected_storage[MetadataIndex(fqn, c.offsets)] = info
+    other = WriteResult(MetadataIndex("step"), 9, _StorageInfo("__0_0.distcp", 5, 9))
+    results[0].append(other)
+    expected_storage[other.index] = other.storage_data
+    small = {"step": BytesStorageMetadata()}
+    paths = {"a.w": ("a", "w"), "b.w": ("b", "w"), "step": ("step",)}
+    base = Metadata(state_dict_metadata=dict(small), planner_data=paths)
+    streamed = StreamedMetadata(base, dtensors)
+    compacted = [compact(r, numbers) for r in results]
+    want = Metadata(
+        state_dict_metadata={**small, **expected}, planner_data=paths,
+        storage_data=expected_storage, version="1.0.0",
+    )  # fmt: skip
+    return streamed, compacted, want
+
+
+def test_a_streamed_metadata_is_dcps(tmp_path):
+    """``.metadata`` written one tensor at a time unpickles (plain pickle, and dcpkit's
+    restricted reader) to what DCP's own finish writes; its index says the same."""
+    import io
+    import pickle
+
+    import xxhash
+
+    from dcpkit.formats.dcp_index import DcpIndex
+    from dcpkit.formats.dcp_index_write import encode_index
+    from dcpkit.safe_pickle import load_metadata
+
+    streamed, compacted, want = _streamed_case()
+    assert all(len(c.rows) for c in compacted) and compacted[0].others  # rows, and the value
+    out = io.BytesIO()
+    streamed.write_streamed(out, compacted, None, "1.0.0")
+    data = out.getvalue()
+    for got in (pickle.loads(data), load_metadata(io.BytesIO(data), ".metadata")):
+        assert type(got).__name__ == "Metadata" and type(got).__module__.startswith("torch")
+        assert got.state_dict_metadata == want.state_dict_metadata
+        assert got.storage_data == want.storage_data
+        assert got.planner_data == want.planner_data and got.version == "1.0.0"
+    index = streamed.encode_index(len(data), xxhash.xxh3_64_hexdigest(data))
+    assert index == encode_index(want, len(data), xxhash.xxh3_64_hexdigest(data))
+    (tmp_path / "idx").write_bytes(index)
+    assert DcpIndex(tmp_path / "idx").metadata().storage_data == want.storage_data
+    # what DCP broadcasts to every rank after the save: small, without the listed chunks
+    assert len(pickle.dumps(streamed)) < len(data)
+
+
+@pytest.mark.parametrize("fault", ["missing", "twice"])
+def test_a_streamed_metadata_refuses_writes_that_miss_a_chunk(fault):
+    import io
+
+    import numpy as np
+
+    streamed, compacted, _ = _streamed_case()
+    rows = compacted[1].rows
+    if fault == "missing":
+        compacted[1].rows = rows[1:]
+    else:
+        compacted[2].rows = np.concatenate([compacted[2].rows, rows[:1]])
+    with pytest.raises(RuntimeError, match=r"a\.w: the ranks wrote .* chunks of its"):
+        streamed.write_streamed(io.BytesIO(), compacted, None, "1.0.0")

@@ -84,6 +84,13 @@ def test_planning_scale_benchmark_small(tmp_path):
         # a restart's first save: each rank takes its plan from the index (its items checked to
         # be the planning's; together, up to 64 ranks, every stored entry once), 0 plannings
         assert r["restart_claim_s"] > 0 and r["restart_metadata_s"] > 0
+    # A job's first save planned from the layout the ranks share, at every size: no global
+    # planning, seconds at most blocking, and its streamed .metadata read back whole.
+    for r in rows:
+        assert r["described_global_plans"] == 0 and r["described_plans"] == 1, r
+        assert 0 < r["described_blocking_s"] < 10 and r["described_gathered_bytes"] > 0
+        assert r["described_metadata_bytes"] > 0 and r["described_index_bytes"] > 0
+        assert r["described_chunks_read_back"] == r["described_chunks"] > 0
     # A cell over the item budget is extrapolated, and says so.
     assert any(not r["measured"] for r in rows if r["model"] == "70B")
     assert (tmp_path / "planning.png").stat().st_size > 0

@@ -10,6 +10,7 @@ submesh (FSDP's dp mesh beside TP) has one copy per coordinate of the other dims
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Any
@@ -112,9 +113,14 @@ def layouts_of(flat: dict[str, Any]) -> dict[str, Layout | None]:
 def _pieces(n: int, layout: Layout, dims: tuple[int, ...], keep_empty: bool) -> list:  # type: ignore[type-arg]
     """A tensor dim of ``n`` split by ``dims`` (outermost first), torch.chunk's way: each piece
     ``(offset, size, coordinates)``."""
+    return _split(n, layout.mesh, dims, keep_empty)
+
+
+@functools.lru_cache(maxsize=4096)
+def _split(n: int, mesh: tuple[int, ...], dims: tuple[int, ...], keep_empty: bool) -> list:  # type: ignore[type-arg]
     out: list[tuple[int, int, tuple[int, ...]]] = [(0, n, ())]
     for m in dims:
-        k = layout.mesh[m]
+        k = mesh[m]
         nxt = []
         for off, size, coords in out:
             step = -(-size // k)
@@ -143,14 +149,23 @@ def chunk_at(size: tuple[int, ...], layout: Layout, coordinate: tuple[int, ...])
 
 def chunks(size: tuple[int, ...], layout: Layout) -> list[ChunkStorageMetadata]:
     """Every chunk with data (one zero-size chunk for a tensor without elements)."""
+    offsets, sizes = specs(size, layout)
+    return [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in zip(offsets, sizes)]
+
+
+def specs(size: tuple[int, ...], layout: Layout) -> tuple[list[tuple[int, ...]], list[Any]]:
+    """The offsets and the sizes of every chunk ``chunks`` lists, in its order."""
     if math.prod(size) == 0:
         offsets, sizes = chunk_at(size, layout, (0,) * len(layout.mesh))
-        return [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))]
-    per_dim = [_pieces(n, layout, layout.splits[d], False) for d, n in enumerate(size)]
-    return [
-        ChunkStorageMetadata(torch.Size([p[0] for p in combo]), torch.Size([p[1] for p in combo]))
-        for combo in itertools.product(*per_dim)
-    ]
+        return [offsets], [sizes]
+    return _specs(tuple(size), layout.mesh, layout.splits)
+
+
+@functools.lru_cache(maxsize=1024)
+def _specs(size: tuple[int, ...], mesh: tuple[int, ...], splits: Any) -> tuple[list, list]:  # type: ignore[type-arg]
+    per_dim = [_split(n, mesh, splits[d], False) for d, n in enumerate(size)]
+    combos = list(itertools.product(*per_dim))
+    return [tuple(p[0] for p in c) for c in combos], [tuple(p[1] for p in c) for c in combos]
 
 
 def _linear(coordinate: tuple[int, ...], mesh: tuple[int, ...], dims: Any) -> int:

@@ -15,7 +15,6 @@ does not hold what its metadata says.
 
 from __future__ import annotations
 
-import math
 import pickle
 import struct
 from typing import Any
@@ -25,14 +24,15 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from dcpkit.engine.chunk_layout import Layout, chunk_at, chunk_number, chunks, pieces
+from dcpkit.engine.chunk_layout import Layout, chunk_number, chunks, specs
 from dcpkit.formats.dcp_index_write import IndexBuilder
 
 ROW = np.dtype(
     [("key", "<i4"), ("chunk", "<i4"), ("file", "<i4"), ("offset", "<i8"), ("length", "<i8")]
 )
-_BATCH = 20_000
-"""Chunks pickled per piece of ``.metadata``."""
+_BATCH = 40
+"""Chunks pickled per piece of ``.metadata`` (a tensor's are one piece): a piece's memo stays
+under 256 entries, each stored with a 2-byte opcode, not a 5-byte one."""
 
 
 class CompactResults:
@@ -111,7 +111,9 @@ class StreamedMetadata(Metadata):
             for number, (fqn, props, size, layout) in enumerate(self.dtensors):
                 mine = rows[starts[number] : starts[number + 1]]
                 entries, index_rows = _storage(fqn, size, layout, mine, files)
-                out.raw(_items(entries))
+                keys = list(entries)
+                for i in range(0, len(keys), _BATCH):
+                    out.raw(_items({k: entries[k] for k in keys[i : i + _BATCH]}))
                 if index is not None:
                     md = TensorStorageMetadata(props, torch.Size(size), [])
                     index = index if index.add_tensor(fqn, md, index_rows) else None
@@ -148,29 +150,20 @@ def _storage(
     fqn: str, size: tuple[int, ...], layout: Layout, rows: np.ndarray, files: list[str]
 ) -> tuple[dict[Any, Any], list[tuple[Any, ...]]]:
     """One tensor's storage entries, and its index rows."""
-    if math.prod(size) == 0:  # one zero-size chunk (``chunks``)
-        at = chunk_at(size, layout, (0,) * len(layout.mesh))
-        per_dim = [[(o, s)] for o, s in zip(*at)]
-    else:
-        per_dim = [pieces(n, layout, layout.splits[d]) for d, n in enumerate(size)]
-    count = math.prod(len(p) for p in per_dim)
+    offsets, sizes = specs(size, layout)
+    count = len(offsets)
     if len(rows) != count or (count and not np.array_equal(rows["chunk"], np.arange(count))):
         raise RuntimeError(
             f"{fqn}: the ranks wrote {len(rows)} chunks of its {count}, or some twice: the "
             "save's plan and its writes differ"
         )
-    grids = np.meshgrid(*(np.arange(len(p)) for p in per_dim), indexing="ij")
-    flat = [g.reshape(-1) for g in grids]
-    entries: dict[Any, Any] = {}
-    index_rows = []
-    for i in range(count):
-        offsets = tuple(per_dim[d][flat[d][i]][0] for d in range(len(size)))
-        sizes = tuple(per_dim[d][flat[d][i]][1] for d in range(len(size)))
-        row = rows[i]
-        path, offset, length = files[row["file"]], int(row["offset"]), int(row["length"])
-        entries[MetadataIndex(fqn, torch.Size(offsets), i)] = _StorageInfo(path, offset, length)
-        index_rows.append((offsets, sizes, path, offset, length))
-    return entries, index_rows
+    paths = [files[f] for f in rows["file"].tolist()]
+    at, length = rows["offset"].tolist(), rows["length"].tolist()
+    entries = {
+        MetadataIndex(fqn, offsets[i], i): _StorageInfo(paths[i], at[i], length[i])
+        for i in range(count)
+    }
+    return entries, list(zip(offsets, sizes, paths, at, length))
 
 
 def _index_small(index: IndexBuilder | None, small: dict[str, Any], stored: dict) -> Any:  # type: ignore[type-arg]

@@ -189,8 +189,7 @@ class CachingPlanner(DefaultSavePlanner):
             new_plan = dataclasses.replace(new_plan, items=items, planner_data=self.mappings)
             numbers = described.numbered(agreed)
             _numbers[self._cached_plans_key] = {
-                fqn: (number, size, layout)
-                for number, (fqn, _, size, layout) in enumerate(numbers)
+                fqn: (number, size, layout) for number, (fqn, _, size, layout) in enumerate(numbers)
             }
         if self._seeded_final is not None:  # this rank's share of the checkpoint's plan
             new_plan = dataclasses.replace(self._seeded_final, storage_data=new_plan.storage_data)

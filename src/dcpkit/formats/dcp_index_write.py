@@ -111,7 +111,12 @@ class IndexBuilder:
             separators=(",", ":"),
         ).encode()
         pad = b"\0" * (-(len(MAGIC) + 8 + len(header)) % 8)
-        return MAGIC + struct.pack("<Q", len(header)) + header + pad + tables.tobytes()
+        head = MAGIC + struct.pack("<Q", len(header)) + header + pad
+        out = bytearray(len(head) + len(tables) * 8)  # one copy of the tables, not two
+        out[: len(head)] = head
+        out[len(head) :] = memoryview(tables).cast("B")
+        self.tables = array("q")
+        return bytes(out) if len(out) < 1 << 26 else out  # type: ignore[return-value]
 
 
 def _sort_dim(rows: list[tuple[Any, Any, Any]], ndim: int) -> int:
