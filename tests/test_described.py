@@ -185,7 +185,14 @@ def _streamed_case():
     props = TensorProperties(dtype=torch.float32)
     col = Layout((2, 2), 0, (2, 1), (0, 0), ((1, 0), ()), ())  # FSDP inside TP's piece
     row = Layout((2, 2), 0, (2, 1), (0, 0), ((0,), (1,)), ())
-    dtensors = [("a.w", props, (17, 4), col), ("b.w", props, (6, 10), row)]
+    cube = Layout((2, 2), 0, (2, 1), (0, 0), ((0,), (), (1,)), ())
+    scalar = Layout((2, 2), 0, (2, 1), (0, 0), (), (0, 1))
+    dtensors = [
+        ("a.w", props, (17, 4), col),
+        ("b.w", props, (6, 10), row),
+        ("c.w", props, (3, 5, 70000), cube),
+        ("d.step", props, (), scalar),
+    ]
     numbers = {fqn: (i, size, lay) for i, (fqn, _, size, lay) in enumerate(dtensors)}
     results, expected_storage, expected = [[] for _ in range(4)], {}, {}
     for fqn, _, size, lay in dtensors:
@@ -193,7 +200,8 @@ def _streamed_case():
         expected[fqn] = TensorStorageMetadata(props, torch.Size(size), listed)
         for i, c in enumerate(listed):
             rank = i % 4
-            info = _StorageInfo(f"__{rank}_0.distcp", 1000 * i, 7 + i)
+            at = 1000 * i + (5 << 33 if i == 1 else 0)  # a file offset past 2**32
+            info = _StorageInfo(f"__{rank}_0.distcp", at, 7 + i)
             results[rank].append(WriteResult(MetadataIndex(fqn, c.offsets), 7 + i, info))
             expected_storage[MetadataIndex(fqn, c.offsets)] = info
     other = WriteResult(MetadataIndex("step"), 9, _StorageInfo("__0_0.distcp", 5, 9))

@@ -232,8 +232,13 @@ def test_torchtitan_trainer_resumes_bitwise_and_interchanges_with_its_own_manage
     assert sorted(full) == list(range(1, 9))
     mine, theirs = tmp_path / "dcpkit", tmp_path / "torchtitan"
     mine.mkdir()
-    stopped = run_titan(mine, "4")  # a clean stop after step 4's checkpoint
+    first: list[str] = []
+    stopped = run_titan(mine, "4", logs=first)  # a clean stop after step 4's checkpoint
     assert stopped == {s: full[s] for s in range(1, 5)}
+    # a fresh job: its first save gathered no plans but the per-dp-rank dataloader entries'
+    # (TorchTitan's own checkpointer reads these checkpoints below: "theirs")
+    planned = "the first save is planned from the layout every rank shares"
+    assert planned in first[0], first[0][-3000:]
     folder = mine / "outputs" / "torchtitan" / "checkpoint"
     assert (folder / "step-4" / "dcpkit.json").is_file()
     shutil.copytree(mine, theirs)

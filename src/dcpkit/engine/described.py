@@ -19,8 +19,9 @@ When every DTensor lies in such a state and every rank's check passed:
   greedy by size (the same on every rank) gives it; a small value by rank 0;
 - the only plans sent are those of the top-level states whose keys differ between ranks (the
   per-rank RNG, a per-rank reader's position): the coordinator plans those as DCP does;
-- the coordinator builds every DTensor's chunk list from the description, after the plans are
-  out, while the other ranks write.
+- the ranks send their write results as rows of integers, and the coordinator lists every
+  DTensor's chunks from its layout as it writes ``.metadata``, one tensor at a time
+  (``described_write``).
 
 The checkpoint is DCP's format: TorchTitan's loader and ``dcp.load`` read it. Anything else (a
 ``Partial`` placement, a DTensor on a submesh, a DTensor in a state whose keys differ between

@@ -16,23 +16,22 @@ does not hold what its metadata says.
 from __future__ import annotations
 
 import pickle
-import struct
 from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from dcpkit.engine.chunk_layout import Layout, chunk_number, chunks, specs
+from dcpkit.engine import metadata_pickle as mp
+from dcpkit.engine.chunk_layout import Layout, chunk_number, specs
 from dcpkit.formats.dcp_index_write import IndexBuilder
 
 ROW = np.dtype(
     [("key", "<i4"), ("chunk", "<i4"), ("file", "<i4"), ("offset", "<i8"), ("length", "<i8")]
 )
-_BATCH = 40
-"""Chunks pickled per piece of ``.metadata`` (a tensor's are one piece): a piece's memo stays
-under 256 entries, each stored with a 2-byte opcode, not a 5-byte one."""
+_BATCH = 20_000
+"""Chunks written per SETITEMS of tensors."""
 
 
 class CompactResults:
@@ -86,43 +85,44 @@ class StreamedMetadata(Metadata):
         self.storage_meta, self.version, self.storage_data = storage_meta, version, None
         rows, files, others = _merge(results)
         index: IndexBuilder | None = IndexBuilder(self.planner_data)
-        out = _Out(f)
-        out.raw(b"\x80\x02c" + b"torch.distributed.checkpoint.metadata\nMetadata\n)\x81}")
+        write = f.write
+        write(b"\x80\x02c" + b"torch.distributed.checkpoint.metadata\nMetadata\n)\x81}")
         with paused_gc():
-            out.key("state_dict_metadata")
-            out.raw(b"}" + _items(self.state_dict_metadata))
-            batch: dict[str, Any] = {}
-            held = 0
+            write(mp.string("state_dict_metadata") + b"}" + _items(self.state_dict_metadata))
+            write(mp.chunk_header())
+            batch, held = [], 0
             for fqn, props, size, layout in self.dtensors:
-                listed = chunks(size, layout)
-                batch[fqn] = TensorStorageMetadata(props, torch.Size(size), listed)
-                held += len(listed)
+                listed = specs(size, layout)
+                key = (size, layout.mesh, layout.splits)
+                batch.append(mp.string(fqn) + mp.tensor(props, size, listed, key))
+                held += len(listed[0])
                 if held >= _BATCH:
-                    out.raw(_items(batch))
-                    batch, held = {}, 0
-            out.raw(_items(batch) + b"s")
-            out.key("planner_data")
-            out.value(self.planner_data)
-            out.key("storage_data")
+                    write(mp.MARK + b"".join(batch) + mp.SETITEMS)
+                    batch, held = [], 0
+            if batch:
+                write(mp.MARK + b"".join(batch) + mp.SETITEMS)
+            write(b"s" + mp.string("planner_data") + mp.piece(self.planner_data) + b"s")
             stored = {wr.index: wr.storage_data for wr in others}
-            out.raw(b"}" + _items(stored))
+            write(mp.string("storage_data") + b"}" + _items(stored))
             index = _index_small(index, self.state_dict_metadata, stored)
+            write(mp.storage_header(files))
             starts = np.searchsorted(rows["key"], np.arange(len(self.dtensors) + 1))
             for number, (fqn, props, size, layout) in enumerate(self.dtensors):
                 mine = rows[starts[number] : starts[number + 1]]
-                entries, index_rows = _storage(fqn, size, layout, mine, files)
-                keys = list(entries)
-                for i in range(0, len(keys), _BATCH):
-                    out.raw(_items({k: entries[k] for k in keys[i : i + _BATCH]}))
+                offsets, sizes = specs(size, layout)
+                _check_rows(fqn, mine, len(offsets))
+                file_nos = mine["file"].tolist()
+                at, length = mine["offset"].tolist(), mine["length"].tolist()
+                key = (size, layout.mesh, layout.splits)
+                write(mp.entries(fqn, key, offsets, file_nos, at, length))
                 if index is not None:
                     md = TensorStorageMetadata(props, torch.Size(size), [])
-                    index = index if index.add_tensor(fqn, md, index_rows) else None
-            out.raw(b"s")
-            out.key("storage_meta")
-            out.value(storage_meta)
-            out.key("version")
-            out.value(version)
-        out.raw(b"b.")  # BUILD, STOP
+                    paths = [files[n] for n in file_nos]
+                    added = index.add_tensor(fqn, md, list(zip(offsets, sizes, paths, at, length)))
+                    index = index if added else None
+            write(b"s" + mp.string("storage_meta") + mp.piece(storage_meta) + b"s")
+            write(mp.string("version") + mp.piece(version) + b"s")
+        write(b"b.")  # BUILD, STOP
         self._index = index
 
 
@@ -146,24 +146,13 @@ def _merge(results: list[Any]) -> tuple[np.ndarray, list[str], list[Any]]:
     return rows, list(files), others
 
 
-def _storage(
-    fqn: str, size: tuple[int, ...], layout: Layout, rows: np.ndarray, files: list[str]
-) -> tuple[dict[Any, Any], list[tuple[Any, ...]]]:
-    """One tensor's storage entries, and its index rows."""
-    offsets, sizes = specs(size, layout)
-    count = len(offsets)
+def _check_rows(fqn: str, rows: np.ndarray, count: int) -> None:
+    """Every chunk of ``fqn`` written exactly once (the rows sorted by chunk)."""
     if len(rows) != count or (count and not np.array_equal(rows["chunk"], np.arange(count))):
         raise RuntimeError(
             f"{fqn}: the ranks wrote {len(rows)} chunks of its {count}, or some twice: the "
             "save's plan and its writes differ"
         )
-    paths = [files[f] for f in rows["file"].tolist()]
-    at, length = rows["offset"].tolist(), rows["length"].tolist()
-    entries = {
-        MetadataIndex(fqn, offsets[i], i): _StorageInfo(paths[i], at[i], length[i])
-        for i in range(count)
-    }
-    return entries, list(zip(offsets, sizes, paths, at, length))
 
 
 def _index_small(index: IndexBuilder | None, small: dict[str, Any], stored: dict) -> Any:  # type: ignore[type-arg]
@@ -193,18 +182,3 @@ def _items(d: dict[Any, Any]) -> bytes:
     if body[1:2] == b"q":  # EMPTY_DICT, BINPUT i
         return body[3:]
     return body[6:] if body[1:2] == b"r" else body[1:]  # LONG_BINPUT i
-
-
-class _Out:
-    def __init__(self, f: Any) -> None:
-        self.f = f
-
-    def raw(self, data: bytes) -> None:
-        self.f.write(data)
-
-    def key(self, name: str) -> None:
-        data = name.encode()
-        self.f.write(b"X" + struct.pack("<I", len(data)) + data)
-
-    def value(self, obj: Any) -> None:
-        self.f.write(pickle.dumps(obj, protocol=2)[2:-1] + b"s")

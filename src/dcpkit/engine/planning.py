@@ -18,6 +18,10 @@ along the dimension with the most distinct chunk offsets, which keeps the active
 chunks that share one offset there (``dcpkit.formats.structure.chunk_problems``, which checks
 every checkpoint a load verifies).
 
+A job's first save is planned from the layout every rank shares, when it can be
+(``described``): no plans gathered but those of the states that differ between ranks, counted
+by ``described_plans(key)``; ``global_plans`` stays 0.
+
 Its ``transform_object`` serializes each distinct small value once per save (an optimizer's
 hyperparameters, stored once per parameter).
 
