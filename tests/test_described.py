@@ -263,3 +263,29 @@ def test_a_streamed_metadata_refuses_writes_that_miss_a_chunk(fault):
         compacted[2].rows = np.concatenate([compacted[2].rows, rows[:1]])
     with pytest.raises(RuntimeError, match=r"a\.w: the ranks wrote .* chunks of its"):
         streamed.write_streamed(io.BytesIO(), compacted, None, "1.0.0")
+
+
+def test_a_shard_without_a_layout_is_not_described():
+    """A shard whose layout the rank does not know (a staged plan without its layouts, a
+    ShardedTensor) is never taken for a whole tensor: every rank plans as DCP does."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem
+    from torch.distributed.checkpoint.planner import WriteItemType as T
+
+    def item(kind, offsets, sizes, size):
+        chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+        data = TensorWriteData(chunk, TensorProperties(dtype=torch.float32), torch.Size(size))
+        return WriteItem(MetadataIndex("w", torch.Size(offsets)), kind, tensor_data=data)
+
+    shard = SavePlan([item(T.SHARD, (4, 0), (4, 8), (8, 8))])
+    whole = SavePlan([item(T.TENSOR, (0, 0), (8, 8), (8, 8))])
+    assert described.describe(shard, {}, {}).failed == 1
+    assert described.describe(whole, {}, {}).failed == 0
+    agreed, why = described.decide(
+        shard, {}, {}, described.describe(shard, {}, {}), [-1, 0, 0], None, 0, 2
+    )
+    assert agreed is None and "cannot give" in why

@@ -93,6 +93,16 @@ def _entry(item: WriteItem, layout: Layout | None) -> tuple:  # type: ignore[typ
     return (fqn, "d", tuple(data.size), props, lay)
 
 
+def _whole(item: WriteItem) -> bool:
+    """Whether ``item`` is a value or a whole plain tensor."""
+    if item.type == WriteItemType.BYTE_IO:
+        return True
+    data = item.tensor_data
+    if item.type != WriteItemType.TENSOR or data is None:
+        return False
+    return tuple(data.chunk.sizes) == tuple(data.size) and not any(data.chunk.offsets)
+
+
 def _check(item: WriteItem, layout: Layout) -> bool:
     """Whether the formula gives this rank's chunk as DCP's plan has it."""
     data = item.tensor_data
@@ -145,6 +155,8 @@ def describe(
         layout = layouts.get(fqn)
         if fqn in layouts and (layout is None or not _check(item, layout)):
             failed = 1
+        elif fqn not in layouts and not _whole(item):
+            failed = 1  # a shard without a layout (a ShardedTensor): planned as DCP plans it
         if fqn in seen:
             failed = 1  # one item per key: what a DTensor or a value gives
         seen.add(fqn)

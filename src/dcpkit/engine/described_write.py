@@ -127,22 +127,26 @@ class StreamedMetadata(Metadata):
 
 
 def _merge(results: list[Any]) -> tuple[np.ndarray, list[str], list[Any]]:
-    """Every rank's rows (file numbers made global), sorted by key and chunk; the files; the
-    other write results."""
+    """Every rank's rows (file numbers made global) in one array, sorted by key and chunk (each
+    rank's rows are released as they are copied); the files; the other write results."""
     files: dict[str, int] = {}
-    parts, others = [], []
+    others: list[Any] = []
+    total = sum(len(p.rows) for p in results if isinstance(p, CompactResults))
+    rows = np.empty(total, ROW)
+    at = 0
     for part in results:
         if not isinstance(part, CompactResults):
             others += part
             continue
         others += part.others
-        if len(part.rows):
+        n = len(part.rows)
+        if n:
             remap = np.array([files.setdefault(p, len(files)) for p in part.files], np.int32)
-            rows = part.rows.copy()
-            rows["file"] = remap[rows["file"]]
-            parts.append(rows)
-    rows = np.concatenate(parts) if parts else np.empty(0, ROW)
-    rows = rows[np.lexsort((rows["chunk"], rows["key"]))]
+            rows[at : at + n] = part.rows
+            rows["file"][at : at + n] = remap[part.rows["file"]]
+            at += n
+        part.rows = np.empty(0, ROW)
+    rows.sort(order=["key", "chunk"])  # in place
     return rows, list(files), others
 
 

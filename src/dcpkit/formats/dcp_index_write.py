@@ -50,7 +50,7 @@ class IndexBuilder:
         self.paths = planner_data if isinstance(planner_data, dict) else {}
         self.files: dict[str, int] = {}
         self.entries: list[dict[str, Any]] = []
-        self.tables = array("q")
+        self.tables = bytearray()  # little-endian int64s, a tensor's appended at a time
 
     def _path(self, fqn: str) -> dict[str, Any]:  # the key's place in the nested state dict
         found = self.paths.get(fqn)
@@ -71,7 +71,7 @@ class IndexBuilder:
         dim = _sort_dim(rows, ndim)
         if ndim:
             rows.sort(key=lambda r: r[0][dim])
-        tables, files = self.tables, self.files
+        tables, files = array("q"), self.files
         self.entries.append(
             {
                 "k": fqn,
@@ -81,7 +81,7 @@ class IndexBuilder:
                 "n": len(rows),
                 "dim": dim,
                 "max": max((r[1][dim] for r in rows), default=0) if ndim else 0,
-                "at": len(tables) * 8,
+                "at": len(self.tables),
                 **self._path(fqn),
             }
         )
@@ -93,30 +93,27 @@ class IndexBuilder:
             tables.extend(off)
             tables.extend(sizes)
             tables.extend((f, offset, length))
+        if sys.byteorder != "little":
+            tables.byteswap()
+        self.tables += memoryview(tables).cast("B")
         return True
 
     def encode(self, metadata_size: int, metadata_xxh3: str) -> bytes:
-        tables = self.tables
-        if sys.byteorder != "little":
-            tables = array("q", tables)
-            tables.byteswap()
+        """The index; its tables are not copied (the header is put in front of them)."""
+        tables, self.tables = self.tables, bytearray()
         header = json.dumps(
             {
                 "version": 1,
                 "metadata": {"bytes": metadata_size, "xxh3": metadata_xxh3},
                 "files": list(self.files),
                 "keys": self.entries,
-                "tables_bytes": len(tables) * 8,
+                "tables_bytes": len(tables),
             },
             separators=(",", ":"),
         ).encode()
         pad = b"\0" * (-(len(MAGIC) + 8 + len(header)) % 8)
-        head = MAGIC + struct.pack("<Q", len(header)) + header + pad
-        out = bytearray(len(head) + len(tables) * 8)  # one copy of the tables, not two
-        out[: len(head)] = head
-        out[len(head) :] = memoryview(tables).cast("B")
-        self.tables = array("q")
-        return bytes(out) if len(out) < 1 << 26 else out  # type: ignore[return-value]
+        tables[0:0] = MAGIC + struct.pack("<Q", len(header)) + header + pad
+        return tables if len(tables) >= 1 << 26 else bytes(tables)  # type: ignore[return-value]
 
 
 def _sort_dim(rows: list[tuple[Any, Any, Any]], ndim: int) -> int:
