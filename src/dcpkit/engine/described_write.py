@@ -48,7 +48,8 @@ def compact(results: list[Any], numbers: dict[str, tuple[int, tuple[int, ...], L
     for wr in results:
         found = numbers.get(wr.index.fqn)
         info = wr.storage_data
-        if found is None or type(info) is not _StorageInfo or info.transform_descriptors:
+        transformed = getattr(info, "transform_descriptors", None)  # absent in older torch
+        if found is None or type(info) is not _StorageInfo or transformed:
             others.append(wr)
             continue
         key, size, layout = found
@@ -171,7 +172,7 @@ def _index_small(index: IndexBuilder | None, small: dict[str, Any], stored: dict
         rows = []
         for c in md.chunks:
             info = by_key.get((fqn, c.offsets))
-            if info is None or info.transform_descriptors:
+            if info is None or getattr(info, "transform_descriptors", None):
                 return None
             rows.append((c.offsets, c.sizes, info.relative_path, info.offset, info.length))
         index = index if index.add_tensor(fqn, md, rows) else None
