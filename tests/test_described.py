@@ -210,7 +210,8 @@ def _streamed_case():
     small = {"step": BytesStorageMetadata()}
     paths = {"a.w": ("a", "w"), "b.w": ("b", "w"), "step": ("step",)}
     base = Metadata(state_dict_metadata=dict(small), planner_data=paths)
-    streamed = StreamedMetadata(base, dtensors)
+    order = ["a.w", "step", "b.w", "c.w", "d.step"]  # the coordinator's plan order
+    streamed = StreamedMetadata(base, dtensors, order)
     compacted = [compact(r, numbers) for r in results]
     want = Metadata(
         state_dict_metadata={**small, **expected}, planner_data=paths,
@@ -239,6 +240,7 @@ def test_a_streamed_metadata_is_dcps(tmp_path):
     for got in (pickle.loads(data), load_metadata(io.BytesIO(data), ".metadata")):
         assert type(got).__name__ == "Metadata" and type(got).__module__.startswith("torch")
         assert got.state_dict_metadata == want.state_dict_metadata
+        assert list(got.state_dict_metadata) == ["a.w", "step", "b.w", "c.w", "d.step"]
         assert got.storage_data == want.storage_data
         assert got.planner_data == want.planner_data and got.version == "1.0.0"
     index = streamed.encode_index(len(data), xxhash.xxh3_64_hexdigest(data))

@@ -78,6 +78,8 @@ class Agreed:
     """The state-dict paths of the keys described."""
     per_rank: list[str]
     """The top-level states whose keys differ between ranks."""
+    order: list[str] = dataclasses.field(default_factory=list)
+    """This rank's keys in its plan's order."""
 
 
 def _entry(item: WriteItem, layout: Layout | None) -> tuple:  # type: ignore[type-arg]
@@ -253,6 +255,7 @@ def _share(
         shared=shared,
         mappings={k: v for k, v in mappings.items() if k not in sent_fqns},
         per_rank=sorted(per_rank),
+        order=list(dict.fromkeys(item.index.fqn for item in plan.items)),
     )
 
 

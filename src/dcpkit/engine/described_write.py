@@ -65,10 +65,17 @@ class StreamedMetadata(Metadata):
     key's place is its number in ``CompactResults``). The storage writer calls
     ``write_streamed``; DCP broadcasts this small object to every rank after the save."""
 
-    def __init__(self, base: Metadata, dtensors: list[tuple[str, Any, tuple[int, ...], Layout]]):
+    def __init__(
+        self,
+        base: Metadata,
+        dtensors: list[tuple[str, Any, tuple[int, ...], Layout]],
+        order: list[str] | None = None,
+    ) -> None:
         super().__init__(state_dict_metadata=base.state_dict_metadata)
         self.planner_data = base.planner_data
         self.dtensors = dtensors
+        self.order = order or []
+        """The keys in the coordinator's plan order (``.metadata`` lists them so, as DCP's)."""
         self._index: IndexBuilder | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -89,19 +96,8 @@ class StreamedMetadata(Metadata):
         write = f.write
         write(b"\x80\x02c" + b"torch.distributed.checkpoint.metadata\nMetadata\n)\x81}")
         with paused_gc():
-            write(mp.string("state_dict_metadata") + b"}" + _items(self.state_dict_metadata))
-            write(mp.chunk_header())
-            batch, held = [], 0
-            for fqn, props, size, layout in self.dtensors:
-                listed = specs(size, layout)
-                key = (size, layout.mesh, layout.splits)
-                batch.append(mp.string(fqn) + mp.tensor(props, size, listed, key))
-                held += len(listed[0])
-                if held >= _BATCH:
-                    write(mp.MARK + b"".join(batch) + mp.SETITEMS)
-                    batch, held = [], 0
-            if batch:
-                write(mp.MARK + b"".join(batch) + mp.SETITEMS)
+            write(mp.string("state_dict_metadata") + b"}")
+            self._write_entries(write)
             write(b"s" + mp.string("planner_data") + mp.piece(self.planner_data) + b"s")
             stored = {wr.index: wr.storage_data for wr in others}
             write(mp.string("storage_data") + b"}" + _items(stored))
@@ -125,6 +121,45 @@ class StreamedMetadata(Metadata):
             write(mp.string("version") + mp.piece(version) + b"s")
         write(b"b.")  # BUILD, STOP
         self._index = index
+
+    def _write_entries(self, write: Any) -> None:
+        """``state_dict_metadata``'s entries in the order DCP's planning gives them (the
+        coordinator's plan, then the keys of other ranks): runs of ordinary entries pickled,
+        runs of described DTensors from templates (their header written again after an
+        ordinary run, whose memo may have overwritten it)."""
+        small = self.state_dict_metadata
+        described = {fqn: (props, size, layout) for fqn, props, size, layout in self.dtensors}
+        order = [k for k in dict.fromkeys(self.order) if k in small or k in described]
+        seen = set(order)
+        order += [k for k in [*small, *described] if k not in seen]
+        run: dict[str, Any] = {}
+        batch: list[bytes] = []
+        held, header = 0, False
+        for fqn in order:
+            if fqn not in described:
+                if batch:
+                    write(mp.MARK + b"".join(batch) + mp.SETITEMS)
+                    batch, held = [], 0
+                run[fqn] = small[fqn]
+                continue
+            if run:
+                write(_items(run))
+                run, header = {}, False
+            if not header:
+                write(mp.chunk_header())
+                header = True
+            props, size, layout = described[fqn]
+            listed = specs(size, layout)
+            key = (size, layout.mesh, layout.splits)
+            batch.append(mp.string(fqn) + mp.tensor(props, size, listed, key))
+            held += len(listed[0])
+            if held >= _BATCH:
+                write(mp.MARK + b"".join(batch) + mp.SETITEMS)
+                batch, held = [], 0
+        if batch:
+            write(mp.MARK + b"".join(batch) + mp.SETITEMS)
+        if run:
+            write(_items(run))
 
 
 def _merge(results: list[Any]) -> tuple[np.ndarray, list[str], list[Any]]:

@@ -173,7 +173,8 @@ class CachingPlanner(DefaultSavePlanner):
             metadata.state_dict_metadata.update(described.shared_entries(self._agreed))
             paths = {**self._agreed.mappings, **(metadata.planner_data or {})}
             metadata.planner_data = paths if self.flatten_state_dict else None
-            metadata = StreamedMetadata(metadata, described.numbered(self._agreed))
+            agreed = self._agreed
+            metadata = StreamedMetadata(metadata, described.numbered(agreed), agreed.order)
         return global_plan, metadata
 
     def create_local_plan(self) -> SavePlan:
