@@ -35,4 +35,5 @@ with CheckpointManager(config, "outputs/fsdp2", model, opt, sched) as ckpt:
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
         ckpt.save(step, last_step=step == steps)  # every `interval` steps, and the last
+dist.barrier()  # no rank leaves while another is still in the group
 dist.destroy_process_group()

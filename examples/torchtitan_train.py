@@ -75,4 +75,5 @@ try:
     trainer.train()
 finally:
     trainer.close()
+torch.distributed.barrier()  # no rank leaves while another is still in the group
 torch.distributed.destroy_process_group()

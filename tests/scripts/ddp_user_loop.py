@@ -107,6 +107,7 @@ def main() -> None:
     results = {f"{m}/{k}": run(root, m, k, phase) for m in MODES for k in SCHEDULERS}
     if dist.rank() == 0:
         print("RESULT " + json.dumps(results), flush=True)
+    torch_dist.barrier()  # no rank leaves while another is still in the group
     torch_dist.destroy_process_group()
 
 

@@ -55,6 +55,7 @@ def main() -> None:
             },
             out,
         )
+    torch.distributed.barrier()  # no rank leaves while another is still in the group
     torch.distributed.destroy_process_group()
 
 

@@ -195,6 +195,7 @@ def main() -> None:
     everything = dist.all_gather_object(result)
     if dist.rank() == 0:
         print("RESULT " + json.dumps(everything), flush=True)
+    torch_dist.barrier()  # no rank leaves while another is still in the group
     torch_dist.destroy_process_group()
 
 

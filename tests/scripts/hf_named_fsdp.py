@@ -102,6 +102,7 @@ def main() -> None:
             {"tokens": tokens, "logits": logits.contiguous()}, str(out / "expected.safetensors")
         )
         print("TRAINED", flush=True)
+    torch_dist.barrier()  # no rank leaves while another is still in the group
     torch_dist.destroy_process_group()
     sys.stdout.flush()
     # Nothing is left to do: skip interpreter finalization, where gloo's threads can abort.

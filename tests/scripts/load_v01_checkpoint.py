@@ -92,6 +92,7 @@ def main() -> None:
     assert latest.load() == 3
     if rank == 0:
         print(f"v0.1 checkpoint restored at world size {dist.world_size()}: OK")
+    torch_dist.barrier()  # no rank leaves while another is still in the group
     torch_dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # skip interpreter finalization, where gloo's threads can abort

@@ -60,6 +60,7 @@ def main() -> None:
         if rank == 0:
             print("POSITIONS " + json.dumps(positions), flush=True)
     mgr.close()
+    torch_dist.barrier()  # no rank leaves while another is still in the group
     torch_dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # skip interpreter finalization, where gloo's threads can abort

@@ -128,6 +128,7 @@ def main() -> None:
             print("MATRIX MISMATCH " + " | ".join(found), flush=True)
         else:
             print(f"MATRIX OK {len(matrix(0))} values, {' '.join(modes)}", flush=True)
+    torch_dist.barrier()  # no rank leaves while another is still in the group
     torch_dist.destroy_process_group()
     if problems:
         sys.exit(1)

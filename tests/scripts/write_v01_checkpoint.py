@@ -123,6 +123,7 @@ def main() -> None:
                 }
                 (out / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
     mgr.close()
+    torch_dist.barrier()  # no rank leaves while another is still in the group
     torch_dist.destroy_process_group()
 
 
