@@ -678,6 +678,18 @@ def _slope(points: list[tuple[int, float]]) -> float:
     return _fit(pts)[1] if len(pts) >= 2 else float("nan")
 
 
+def _run_cell(spec: str, what: str) -> dict | None:
+    """One cell in a process of its own (its peak memory is its own); None when it failed."""
+    proc = subprocess.run(
+        [sys.executable, __file__, "--_cell", spec], capture_output=True, text=True
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        print(f"{what} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(line[len("RESULT ") :])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="8B,70B,405B")
@@ -728,16 +740,9 @@ def main() -> int:
             if items_per_rank(m) * w > opts.max_items:
                 continue
             stock = items_per_rank(m) * w <= opts.dcp_max_items
-            proc = subprocess.run(
-                [sys.executable, __file__, "--_cell", f"{m}:{w}:{int(stock)}"],
-                capture_output=True,
-                text=True,
-            )
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if proc.returncode != 0 or line is None:
-                print(f"{m} at {w} ranks failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+            r = _run_cell(f"{m}:{w}:{int(stock)}", f"{m} at {w} ranks")
+            if r is None:
                 return 1
-            r = json.loads(line[len("RESULT ") :])
             r["measured"] = True
             rows.append(r)
             print(
@@ -778,18 +783,9 @@ def main() -> int:
     for m in models:  # a job's first save planned from the layout: measured at every size
         for w in worlds:
             full = items_per_rank(m) * w <= opts.described_max_items
-            proc = subprocess.run(
-                [sys.executable, __file__, "--_cell", f"{m}:{w}:{int(full)}:described"],
-                capture_output=True,
-                text=True,
-            )
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if proc.returncode != 0 or line is None:
-                print(
-                    f"{m} at {w} ranks (described) failed:\n{proc.stderr[-2000:]}", file=sys.stderr
-                )
+            d = _run_cell(f"{m}:{w}:{int(full)}:described", f"{m} at {w} ranks (described)")
+            if d is None:
                 return 1
-            d = json.loads(line[len("RESULT ") :])
             row = next((r for r in rows if r["model"] == m and r["world"] == w), None)
             if row is None:  # no planning figures at this size (too few measured to fit)
                 row = {"model": m, "world": w, "items": items_per_rank(m) * w, "measured": False}

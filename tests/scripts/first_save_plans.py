@@ -12,7 +12,6 @@ Rank 0 prints ``RESULT {json}``: per rank, the global plannings after each save,
 step loads back bitwise, and (rank 0) how the metadata compares with DCP's own planning.
 """
 
-import json
 import logging
 import sys
 
@@ -22,31 +21,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from user_states import Reader, Sampler, report, snapshot, train_step
 
 from dcpkit import CheckpointConfig, CheckpointManager, dist
-
-
-class Sampler:
-    def __init__(self) -> None:
-        self.epoch, self.seen = torch.tensor(0), torch.tensor(0.0)
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "seen": self.seen}
-
-    def load_state_dict(self, state):
-        self.epoch, self.seen = state["epoch"].clone(), state["seen"].clone()
-
-
-class Reader:
-    def __init__(self) -> None:
-        self.position = 0
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = int(state["position"])
 
 
 def build(layout: str, seed: int):
@@ -76,27 +53,6 @@ def build(layout: str, seed: int):
     elif layout == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     return model, torch.optim.AdamW(model.parameters(), lr=0.1)
-
-
-def train_step(model, opt, sampler, reader, step: int) -> None:
-    torch.manual_seed(step)  # the same batch on every rank
-    model(torch.randn(4, 8)).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-    sampler.epoch += 1
-    sampler.seen += 4.0
-    reader.position = 100 * dist.rank() + step
-
-
-def _local(t):
-    return t.to_local().clone() if isinstance(t, DTensor) else t.clone()
-
-
-def snapshot(model, opt, sampler) -> list[torch.Tensor]:
-    out = [_local(p) for p in model.parameters()]
-    for st in opt.state.values():
-        out += [_local(v) for v in st.values()]
-    return [*out, sampler.epoch.clone(), sampler.seen.clone()]
 
 
 def loads_back(layout: str, path: str, saved: list[torch.Tensor]) -> bool:
@@ -192,11 +148,7 @@ def main() -> None:
         result["bitwise"].append(loads_back(layout, mgr.step_path(step), saved[step]))
     if dist.rank() == 0:
         result["compare"] = [compare(mgr.step_path(s), reference) for s in (1, 2)]
-    everything = dist.all_gather_object(result)
-    if dist.rank() == 0:
-        print("RESULT " + json.dumps(everything), flush=True)
-    torch_dist.barrier()  # no rank leaves while another is still in the group
-    torch_dist.destroy_process_group()
+    report(result)
 
 
 if __name__ == "__main__":

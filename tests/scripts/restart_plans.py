@@ -10,7 +10,6 @@ MODE is the async_mode. Rank 0 prints ``RESULT {json}``: the global plannings th
 after each save, and (check) whether DCP's own load of the checkpoint equals the state saved.
 """
 
-import json
 import logging
 import sys
 
@@ -18,38 +17,9 @@ import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import fully_shard
+from user_states import Reader, Sampler, report, snapshot, train_step
 
 from dcpkit import CheckpointConfig, CheckpointManager, dist
-
-
-class Sampler:
-    def __init__(self) -> None:
-        self.epoch, self.seen = torch.tensor(0), torch.tensor(0.0)
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "seen": self.seen}
-
-    def load_state_dict(self, state):
-        self.epoch, self.seen = state["epoch"].clone(), state["seen"].clone()
-
-
-class Reader:
-    """A per-rank position; ``extra`` appears in its state once set (a layout change)."""
-
-    def __init__(self) -> None:
-        self.position, self.extra = 0, None
-
-    def state_dict(self):
-        out = {"position": self.position}
-        if self.extra is not None:
-            out["extra"] = self.extra
-        return out
-
-    def load_state_dict(self, state):
-        self.position, self.extra = int(state["position"]), state.get("extra")
-
-    def reshard_state_dict(self, saved, rank, world_size):
-        return saved[rank]
 
 
 def build(seed: int):
@@ -57,23 +27,6 @@ def build(seed: int):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=0.1)
-
-
-def train_step(model, opt, sampler, reader, step: int) -> None:
-    torch.manual_seed(step)
-    model(torch.randn(4, 8)).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-    sampler.epoch += 1
-    sampler.seen += 4.0
-    reader.position = 100 * dist.rank() + step
-
-
-def snapshot(model, opt, sampler) -> list[torch.Tensor]:
-    out = [p.to_local().clone() for p in model.parameters()]
-    for st in opt.state.values():
-        out += [v.to_local().clone() if hasattr(v, "to_local") else v.clone() for v in st.values()]
-    return [*out, sampler.epoch.clone(), sampler.seen.clone()]
 
 
 def main() -> None:
@@ -127,11 +80,7 @@ def main() -> None:
             mgr.wait()
             result["plans"].append(mgr.global_plans)
     mgr.close()
-    everything = dist.all_gather_object(result)
-    if dist.rank() == 0:
-        print("RESULT " + json.dumps(everything), flush=True)
-    torch_dist.barrier()  # no rank leaves while another is still in the group
-    torch_dist.destroy_process_group()
+    report(result)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,8 @@ class StreamedMetadata(Metadata):
             write(b"s" + mp.string("planner_data") + mp.piece(self.planner_data) + b"s")
             stored = {wr.index: wr.storage_data for wr in others}
             write(mp.string("storage_data") + b"}" + _items(stored))
-            index = _index_small(index, self.state_dict_metadata, stored)
+            if not index.add_entries(self.state_dict_metadata, stored):  # all but described
+                index = None
             write(mp.storage_header(files))
             starts = np.searchsorted(rows["key"], np.arange(len(self.dtensors) + 1))
             for number, (fqn, props, size, layout) in enumerate(self.dtensors):
@@ -193,25 +194,6 @@ def _check_rows(fqn: str, rows: np.ndarray, count: int) -> None:
             f"{fqn}: the ranks wrote {len(rows)} chunks of its {count}, or some twice: the "
             "save's plan and its writes differ"
         )
-
-
-def _index_small(index: IndexBuilder | None, small: dict[str, Any], stored: dict) -> Any:  # type: ignore[type-arg]
-    """The index entries of everything but the described DTensors."""
-    by_key = {(k.fqn, k.offset): v for k, v in stored.items()}
-    for fqn, md in small.items():
-        if index is None:
-            return None
-        if not isinstance(md, TensorStorageMetadata):
-            index = index if index.add_object(fqn, by_key.get((fqn, None))) else None
-            continue
-        rows = []
-        for c in md.chunks:
-            info = by_key.get((fqn, c.offsets))
-            if info is None or getattr(info, "transform_descriptors", None):
-                return None
-            rows.append((c.offsets, c.sizes, info.relative_path, info.offset, info.length))
-        index = index if index.add_tensor(fqn, md, rows) else None
-    return index
 
 
 def _items(d: dict[Any, Any]) -> bytes:

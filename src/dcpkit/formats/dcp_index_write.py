@@ -16,30 +16,12 @@ def encode_index(md: Any, metadata_size: int, metadata_xxh3: str) -> bytes | Non
     """The index of ``md`` (a ``.metadata`` of ``metadata_size`` bytes with that checksum); None
     when it holds what the index does not express (storage transforms, a chunk without storage,
     a tensor of another layout): such a checkpoint is loaded from its ``.metadata``."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     from dcpkit.dist import paused_gc
 
     index = IndexBuilder(md.planner_data)
     with paused_gc():
-        # (fqn, offsets) -> storage: one pass over the entries, without building a
-        # MetadataIndex (a dataclass hashed in Python) per chunk
-        stored = {(k.fqn, k.offset): v for k, v in (md.storage_data or {}).items()}
-        for fqn, tmd in md.state_dict_metadata.items():
-            if not isinstance(tmd, TensorStorageMetadata):
-                if not index.add_object(fqn, stored.get((fqn, None))):
-                    return None
-                continue
-            rows = []
-            for chunk in tmd.chunks:
-                info = stored.get((fqn, chunk.offsets))
-                if info is None or getattr(info, "transform_descriptors", None):
-                    return None
-                rows.append(
-                    (chunk.offsets, chunk.sizes, info.relative_path, info.offset, info.length)
-                )
-            if not index.add_tensor(fqn, tmd, rows):
-                return None
+        if not index.add_entries(md.state_dict_metadata, md.storage_data or {}):
+            return None
     return index.encode(metadata_size, metadata_xxh3)
 
 
@@ -55,6 +37,31 @@ class IndexBuilder:
     def _path(self, fqn: str) -> dict[str, Any]:  # the key's place in the nested state dict
         found = self.paths.get(fqn)
         return {"p": list(found)} if isinstance(found, tuple | list) else {}
+
+    def add_entries(self, entries: dict[str, Any], storage: dict[Any, Any]) -> bool:
+        """Every key of ``entries`` (a ``state_dict_metadata``) with its chunks' places in
+        ``storage`` (a ``storage_data``); False at the first the index cannot express."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        # (fqn, offsets) -> storage: one pass over the entries, without building a
+        # MetadataIndex (a dataclass hashed in Python) per chunk
+        stored = {(k.fqn, k.offset): v for k, v in storage.items()}
+        for fqn, tmd in entries.items():
+            if not isinstance(tmd, TensorStorageMetadata):
+                if not self.add_object(fqn, stored.get((fqn, None))):
+                    return False
+                continue
+            rows = []
+            for chunk in tmd.chunks:
+                info = stored.get((fqn, chunk.offsets))
+                if info is None or getattr(info, "transform_descriptors", None):
+                    return False
+                rows.append(
+                    (chunk.offsets, chunk.sizes, info.relative_path, info.offset, info.length)
+                )
+            if not self.add_tensor(fqn, tmd, rows):
+                return False
+        return True
 
     def add_object(self, fqn: str, info: Any) -> bool:
         if info is None or getattr(info, "transform_descriptors", None):
