@@ -20,7 +20,7 @@ demo: $(STAMP)
 test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d $(SITE)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The docs site, built in strict mode: a broken link, a missing page or a bad docstring fails it.
 docs: $(STAMP)
