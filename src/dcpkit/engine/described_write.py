@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from dcpkit.engine import metadata_pickle as mp
 from dcpkit.engine.chunk_layout import Layout, chunk_number, specs
-from dcpkit.formats.dcp_index_write import IndexBuilder
+from dcpkit.formats.dcp_index_write import IndexBuilder, stored_plainly
 
 ROW = np.dtype(
     [("key", "<i4"), ("chunk", "<i4"), ("file", "<i4"), ("offset", "<i8"), ("length", "<i8")]
@@ -48,8 +48,7 @@ def compact(results: list[Any], numbers: dict[str, tuple[int, tuple[int, ...], L
     for wr in results:
         found = numbers.get(wr.index.fqn)
         info = wr.storage_data
-        transformed = getattr(info, "transform_descriptors", None)  # absent in older torch
-        if found is None or type(info) is not _StorageInfo or transformed:
+        if found is None or type(info) is not _StorageInfo or not stored_plainly(info):
             others.append(wr)
             continue
         key, size, layout = found

@@ -25,6 +25,12 @@ def encode_index(md: Any, metadata_size: int, metadata_xxh3: str) -> bytes | Non
     return index.encode(metadata_size, metadata_xxh3)
 
 
+def stored_plainly(info: Any) -> bool:
+    """Whether a storage entry exists and holds its bytes as they are (no transforms, such as
+    compression: the index cannot express them; older torch has no such field)."""
+    return info is not None and not getattr(info, "transform_descriptors", None)
+
+
 class IndexBuilder:
     """The index, key by key (a streamed ``.metadata``'s writer adds each tensor as it goes)."""
 
@@ -54,7 +60,7 @@ class IndexBuilder:
             rows = []
             for chunk in tmd.chunks:
                 info = stored.get((fqn, chunk.offsets))
-                if info is None or getattr(info, "transform_descriptors", None):
+                if not stored_plainly(info):
                     return False
                 rows.append(
                     (chunk.offsets, chunk.sizes, info.relative_path, info.offset, info.length)
@@ -64,7 +70,7 @@ class IndexBuilder:
         return True
 
     def add_object(self, fqn: str, info: Any) -> bool:
-        if info is None or getattr(info, "transform_descriptors", None):
+        if not stored_plainly(info):
             return False
         f = self.files.setdefault(info.relative_path, len(self.files))
         self.entries.append({"k": fqn, "b": [f, info.offset, info.length], **self._path(fqn)})
