@@ -267,7 +267,7 @@ def test_metadata_claiming_more_than_the_files_hold(tmp_path):
         tmd.chunks[0].sizes = torch.Size([1 << 40, 1 << 20])
 
     _rewrite_metadata(ckpt, huge)
-    assert "but its chunks hold" in _refused(cli("to-torch", str(ckpt), out))
+    assert "its record holds" in _refused(cli("to-torch", str(ckpt), out))
 
     ckpt = _checkpoint(tmp_path / "neg")
     _rewrite_metadata(ckpt, lambda md: setattr(_first_tensor(md)[1], "size", torch.Size([-4])))

@@ -6,7 +6,7 @@ from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.convert.hf_model import HFModel
 from dcpkit.engine.manager import CheckpointManager
 from dcpkit.engine.preempt import EXIT_PREEMPTED
-from dcpkit.errors import CheckpointError
+from dcpkit.errors import CheckpointError, CorruptCheckpoint
 
 __all__ = [
     "EXIT_PREEMPTED",
@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "ConfigError",
+    "CorruptCheckpoint",
     "HFModel",
     "__version__",
 ]

@@ -59,7 +59,7 @@ def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
         print(json.dumps(info, indent=2))
     else:
         print(format_inspect(info, limit=None if args.all else 60))
-    return 0
+    return 1 if info["problems"] else 0
 
 
 def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:

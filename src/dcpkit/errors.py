@@ -9,6 +9,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message says which one and why."""
 
 
+class CorruptCheckpoint(CheckpointError, ValueError):
+    """A checkpoint folder that breaks a rule of its format or its manifest (damaged, or crafted
+    by whoever handed it over): raised by every entry point (loads, tools, integrations), its
+    message names the file, the key and the rule broken."""
+
+
 def first_failure(e: BaseException) -> BaseException:
     """The exception a rank raised inside ``torch.distributed.checkpoint``, which wraps it in a
     ``CheckpointException`` (a ``BaseException``, with a traceback in its message)."""

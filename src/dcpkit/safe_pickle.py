@@ -24,6 +24,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from dcpkit.errors import CorruptCheckpoint
+
 _DCP_METADATA_TYPES = (
     "BytesStorageMetadata",
     "ChunkStorageMetadata",
@@ -37,7 +39,7 @@ _DCP_METADATA_TYPES = (
 _MAX_NAME = 4096  # longest file name a storage entry may give
 
 
-class UnsafeCheckpoint(ValueError):
+class UnsafeCheckpoint(CorruptCheckpoint):
     """A checkpoint file asks for something that would run code, or is not what it claims."""
 
 

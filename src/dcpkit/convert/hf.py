@@ -28,6 +28,7 @@ from dcpkit.convert.views import FromHF, ToHF
 from dcpkit.formats.blocks import recycled_blocks
 from dcpkit.formats.dcp import DCPCheckpoint, meta_tensor, write_dcp
 from dcpkit.formats.safetensors import SafetensorsFolder, SafetensorsWriter
+from dcpkit.formats.structure import refuse_broken
 from dcpkit.layout import MODEL, dtype_name
 from dcpkit.manifest import build_manifest
 from dcpkit.storage import open_checkpoint
@@ -104,6 +105,7 @@ def to_hf(
         open_checkpoint(ckpt, storage_options) as view,
         DCPCheckpoint(view.path, view.opener) as src,
     ):
+        refuse_broken(view)
         inferred, recorded = None, recorded_model(view.path)
         if recorded is not None and flavor is None and family in (None, recorded["family"]):
             family, flavor = recorded["family"], recorded["config"]

@@ -17,6 +17,7 @@ from dcpkit.convert.common import DEFAULT_BUDGET, output, progress, row_blocks
 from dcpkit.convert.hf import ConversionResult
 from dcpkit.formats.blocks import recycled_blocks
 from dcpkit.formats.dcp import DCPCheckpoint, meta_tensor, nest, write_dcp
+from dcpkit.formats.structure import refuse_broken
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile, UnsupportedContent, walk_refs
 from dcpkit.formats.torchfile_write import TensorSpec, TorchSaveWriter
 from dcpkit.layout import MODEL, is_model_key
@@ -38,6 +39,7 @@ def to_torch(
         open_checkpoint(ckpt, storage_options) as view,
         DCPCheckpoint(view.path, view.opener) as src,
     ):
+        refuse_broken(view)
         keys = [k for k in src.tensors if not model_only or src.is_model_key(k)]
         src.check(keys)
         objects = [] if model_only else list(src.objects)

@@ -13,7 +13,7 @@ from dcpkit import dist
 from dcpkit.config import ConfigError
 from dcpkit.engine.policy import choose_step, fallback_steps, is_seed_step
 from dcpkit.engine.reading import FailedVerification
-from dcpkit.errors import CheckpointError
+from dcpkit.errors import CheckpointError, CorruptCheckpoint
 from dcpkit.integrity import verify_checkpoint
 from dcpkit.layout import (
     HF_FILES,
@@ -241,7 +241,7 @@ def fallback(plan: LoadPlan, problems: list[str], config: Any, store: Any) -> Lo
         f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
     )
     if not (config.fallback_on_corruption and config.load_step == -1 and plan.own):
-        raise CheckpointError(
+        raise CorruptCheckpoint(
             f"{plan.location} failed verification: {listing}. Run `dcpkit verify "
             f"{plan.location}` for the full list; set [checkpoint] fallback_on_corruption = true "
             "to load the newest intact checkpoint instead, or load_step to choose one"
@@ -261,7 +261,7 @@ def fallback(plan: LoadPlan, problems: list[str], config: Any, store: Any) -> Lo
             model_only = is_seed_step(step) or config.load_model_only
             return LoadPlan(store, name, step, model_only, reason, own=True)
         failed = LoadPlan(store, name, step, is_seed_step(step), "", own=True)
-    raise CheckpointError(
+    raise CorruptCheckpoint(
         f"no published checkpoint in {store.root} passes verification (the latest failed "
         f"with: {listing}); restore the files or start fresh in another folder"
     )
@@ -275,13 +275,18 @@ def restore_verified(
     them (local or remote), in the same pass, each rank its share; a failure falls back as
     configured.
     Returns the plan loaded and the pieces restored."""
-    if not config.verify_on_load:
-        return plan, restore(plan.store, plan.name, plan.model_only)
     fused = (  # DCP data read by dcpkit's reader: it checksums the files as it loads them
         plan.store.direct_reads and METADATA in plan.store.list_names(plan.name)
     )
+    if not config.verify_on_load:  # no checksums; sizes and structure still, as verify checks
+        kept: dict[str, Any] = {}
+        checked = verified(plan, config, store, only=set(), kept=kept)
+        read_by = {"metadata": kept.get("metadata"), "index": kept.get("index")}
+        if checked is plan and fused:
+            return plan, restore(plan.store, plan.name, plan.model_only, **read_by)
+        return checked, restore(checked.store, checked.name, checked.model_only)
     # .metadata (and its index) are read before any data is: checksummed first, whatever the mode.
-    kept: dict[str, Any] = {}  # the .metadata or index those checks read: the load reads by it
+    kept = {}  # the .metadata or index those checks read: the load reads by it
     first = {METADATA, METADATA_INDEX}
     checked = verified(plan, config, store, only=first if fused else None, kept=kept)
     if checked is plan and fused:

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcpkit import dist
-from dcpkit.errors import CheckpointError, first_failure
+from dcpkit.errors import CheckpointError, CorruptCheckpoint, first_failure
 from dcpkit.formats.dcp_index import DcpIndex, bound_index
 from dcpkit.formats.dcp_reader import DirectFileSystemReader
 from dcpkit.layout import METADATA, METADATA_INDEX
@@ -25,12 +25,21 @@ from dcpkit.units import human_bytes
 logger = logging.getLogger(__name__)
 
 
-class FailedVerification(CheckpointError):
+class FailedVerification(CorruptCheckpoint):
     """A load found files of the checkpoint that do not match their manifest checksums."""
 
     def __init__(self, location: str, problems: list[str]) -> None:
         super().__init__(f"{location} failed verification: {'; '.join(problems[:5])}")
         self.problems = problems
+
+
+def load_failure(e: BaseException, location: str) -> CheckpointError:
+    """What ``dcp.load`` of checkpoint ``location`` raised (a ``CheckpointException`` wraps
+    what a rank raised, with a traceback in its message), as one error naming the checkpoint:
+    a ``CorruptCheckpoint`` when a rule of the format was broken."""
+    failure = first_failure(e)
+    broken = isinstance(failure, CorruptCheckpoint | UnsafeCheckpoint)
+    return (CorruptCheckpoint if broken else CheckpointError)(f"{location}: {failure}")
 
 
 def load_into(
@@ -44,32 +53,31 @@ def load_into(
     With ``gather``, records that several ranks need are read once and shared (dcpkit's reader:
     ``formats/shared_read.py``); the bytes the ranks read from storage are logged beside the
     checkpoint's ``stored`` bytes."""
-    error = None
+    error, corrupt = None, False
     if gather and isinstance(reader, DirectFileSystemReader):
         reader.shared = True  # every rank joins the reader's one exchange, failed or not
     try:
         with dist.quiet_single_process():
             dcp.load(template, storage_reader=reader, planner=safe_load_planner(), no_dist=True)
-    except CheckpointException as e:  # a BaseException, wrapping what the rank raised
-        error = f"{location}: {first_failure(e)}"
-    except UnsafeCheckpoint as e:
-        error = f"{location}: {e}"
+    except (CheckpointException, UnsafeCheckpoint) as e:
+        failure = load_failure(e, location)
+        error, corrupt = str(failure), isinstance(failure, CorruptCheckpoint)
     finally:
         if getattr(reader, "shared", False):  # failed before reading: the others must not wait
             reader.join_failed()
     problems = [str(p) for p in getattr(reader, "problems", [])]
     read = getattr(reader, "bytes_read", None)
-    mine = (error, problems, read)
+    mine = (error, problems, read, corrupt)
     outcomes = dist.all_gather_object(mine) if gather else [mine]
-    errors = [(r, e) for r, (e, _, _) in enumerate(outcomes) if e is not None]
+    errors = [(r, e, c) for r, (e, _, _, c) in enumerate(outcomes) if e is not None]
     if errors:
-        rank, first = errors[0]
+        rank, first, broken = errors[0]
         where = f" (rank {rank})" if gather and rank != dist.rank() else ""
-        raise CheckpointError(f"{first}{where}")
-    found = sorted({p for _, part, _ in outcomes for p in part})
+        raise (CorruptCheckpoint if broken else CheckpointError)(f"{first}{where}")
+    found = sorted({p for _, part, _, _ in outcomes for p in part})
     if found:
         raise FailedVerification(location, found)
-    counts = [n for _, _, n in outcomes]
+    counts = [n for _, _, n, _ in outcomes]
     if stored and None not in counts and dist.rank() == 0:
         total = sum(counts)
         logger.info(

@@ -12,7 +12,6 @@ import dataclasses
 import io
 import itertools
 import math
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dcpkit.dist import quiet_single_process, records_without_crc32
-from dcpkit.errors import first_failure, out_of_space
+from dcpkit.errors import CorruptCheckpoint, first_failure, out_of_space
 from dcpkit.formats import blocks
+from dcpkit.formats.rules import check_record, storage_entry_problem
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.layout import MANIFEST, METADATA, MODEL, is_model_key
 from dcpkit.manifest import HashingFileSystem, parse_manifest
@@ -140,26 +140,24 @@ class DCPCheckpoint:
         md = self.tensors[fqn]
         where = self.path / METADATA
         if any(int(s) < 0 for s in md.size):
-            raise NotACheckpoint(f"{where}: {fqn} has a negative size {list(md.size)}")
+            raise CorruptCheckpoint(f"{where}: {fqn}: negative size {list(md.size)}")
         stored = 0
         for chunk in md.chunks:
             info = self.metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
             if info is None:
-                raise NotACheckpoint(
+                raise CorruptCheckpoint(
                     f"{where}: {fqn}: chunk at {list(chunk.offsets)} has no storage"
                 )
             path = self.path / info.relative_path
-            size = path.stat().st_size if path.is_file() else 0
-            if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
-                raise NotACheckpoint(
-                    f"{path} is {size} bytes, too short for {fqn} (ends at byte "
-                    f"{info.offset + info.length}): truncated or corrupt"
-                )
+            size = path.stat().st_size if path.is_file() else None
+            problem = storage_entry_problem(fqn, info.offset, info.length, size)
+            if problem is not None:
+                raise CorruptCheckpoint(f"{path}: {problem}")
             stored += info.length
         total = md.properties.dtype.itemsize * math.prod(int(s) for s in md.size)
         if total > stored:
-            raise NotACheckpoint(
-                f"{where}: {fqn} claims {total} bytes ({list(md.size)}) but its chunks hold "
+            raise CorruptCheckpoint(
+                f"{where}: {fqn}: claims {total} bytes ({list(md.size)}) but its records hold "
                 f"{stored}: refused (a corrupt or hostile checkpoint)"
             )
 
@@ -175,23 +173,13 @@ class DCPCheckpoint:
         """The stored chunk of ``fqn`` at ``chunk.offsets``: a tensor of the dtype and shape the
         metadata gives it, or an error naming the file."""
         f, start, length = self._storage(fqn, chunk.offsets)
-        try:
-            archive = TorchSaveFile(f, start, length)
-        except (ValueError, zipfile.BadZipFile) as e:
-            raise NotACheckpoint(
-                f"{self.path}: the stored bytes of {fqn} are corrupt ({e})"
-            ) from None
-        ref = archive.obj
         md = self.tensors[fqn]
-        if (
-            not isinstance(ref, TensorRef)
-            or ref.dtype != md.properties.dtype
-            or tuple(ref.shape) != tuple(chunk.sizes)
-        ):
-            raise NotACheckpoint(
-                f"{self.path}: the stored bytes of {fqn} are not the {list(chunk.sizes)} "
-                f"{md.properties.dtype} tensor {METADATA} describes: the file is corrupt"
-            )
+        try:
+            archive = check_record(f, start, length, fqn, chunk.sizes, md.properties.dtype)
+        except ValueError as e:
+            info = self.metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]
+            raise CorruptCheckpoint(f"{self.path / info.relative_path}: {e}") from None
+        ref = archive.obj
         return archive, ref
 
     def read(self, fqn: str, rows: tuple[int, int] | None = None) -> torch.Tensor:

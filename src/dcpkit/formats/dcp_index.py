@@ -118,14 +118,19 @@ class DcpIndex:
         path = tuple(path) if path is not None else None
         if "b" in e:
             f, offset, length = (int(v) for v in e["b"])
-            if not (0 <= f < len(self.files) and offset >= 0 and length >= 0):
+            if offset < 0 or length < 0:
+                what = "offset" if offset < 0 else "length"
+                raise self._bad(f"{e['k']}: negative {what} for its record")
+            if not 0 <= f < len(self.files):
                 raise self._bad(f"the entry of {e['k']!r} is out of range")
             return {"b": (f, offset, length), "p": path}
         size = [int(s) for s in e["size"]]
         n, at, dim, top = int(e["n"]), int(e["at"]), int(e["dim"]), int(e["max"])
         ndim = len(size)
         dtype = getattr(torch, str(e["dtype"]), None)
-        if not isinstance(dtype, torch.dtype) or ndim > _MAX_DIMS or min(size, default=0) < 0:
+        if min(size, default=0) < 0:
+            raise self._bad(f"{e['k']}: negative size {size}")
+        if not isinstance(dtype, torch.dtype) or ndim > _MAX_DIMS:
             raise self._bad(f"the entry of {e['k']!r} has dtype {e['dtype']!r}, shape {size}")
         width = 2 * ndim + _EXTRA
         if n < 0 or at < 0 or at % 8 or at + 8 * n * (1 + width) > tables:
@@ -208,8 +213,11 @@ class DcpIndex:
             offsets, sizes, extra = row[:ndim], row[ndim : 2 * ndim], row[2 * ndim :]
             if ndim and row[dim] != keys[i]:
                 raise self._bad(f"the table of {fqn!r} disagrees with its sort keys")
+            if extra[1] < 0 or extra[2] < 0:
+                what = "offset" if extra[1] < 0 else "length"
+                raise self._bad(f"{fqn}: negative {what} for the record of its chunk ({row})")
             if any(o < 0 or k < 0 or o + k > s for o, k, s in zip(offsets, sizes, shape)) or not (
-                0 <= extra[0] < len(self.files) and extra[1] >= 0 and extra[2] >= 0
+                0 <= extra[0] < len(self.files)
             ):
                 raise self._bad(f"a chunk of {fqn!r} ({row}) lies outside its tensor or files")
             out.append((offsets, sizes, extra))

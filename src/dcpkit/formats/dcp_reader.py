@@ -35,8 +35,10 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from dcpkit.dist import io_threads
+from dcpkit.errors import CorruptCheckpoint
 from dcpkit.formats import shared_read, torchfile
 from dcpkit.formats.dcp_index import Region
+from dcpkit.formats.rules import open_record, record_problem, storage_entry_problem
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.manifest import Problem
 from dcpkit.safe_pickle import safe_reader
@@ -163,7 +165,7 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
                     hashed = None if again else h
                     _load_item(f, size, offset, length, item, planner, archives, hashed)
                 except (ValueError, zipfile.BadZipFile) as e:
-                    self.problems.append(Problem(name, f"{item.storage_index.fqn}: {e}"))
+                    self.problems.append(Problem(name, _named(item, e)))
                     if not again:
                         _hash_range(f, offset, offset + length, h)
                 pos, last = max(pos, offset + length), offset
@@ -186,8 +188,9 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
                     try:
                         _load_item(f, size, offset, length, item, planner, archives, None)
                     except (ValueError, zipfile.BadZipFile) as e:
-                        path = f"{self.path}/{relative}"
-                        raise ValueError(f"{path}: {item.storage_index.fqn}: {e}") from None
+                        raise CorruptCheckpoint(
+                            f"{self.path}/{relative}: {_named(item, e)}"
+                        ) from None
 
 
 class LocalFiles:
@@ -210,6 +213,12 @@ class LocalFiles:
         else:
             with open(path, "rb") as f:
                 yield f, f, os.fstat(f.fileno()).st_size
+
+
+def _named(item: Any, e: BaseException) -> str:
+    """``e``'s message, beginning with the key of ``item`` (the rules' messages do already)."""
+    fqn = item.storage_index.fqn
+    return str(e) if str(e).startswith(f"{fqn}:") else f"{fqn}: {e}"
 
 
 def _done() -> Future[None]:
@@ -295,11 +304,10 @@ def _load_item(
     """Load one read item from the record at ``[offset, offset + length)`` of ``f`` (``size``
     bytes long); with a hash ``h``, also feed it every byte of the record, in order (the
     tensor's bytes from where they landed)."""
-    if offset + length > size:
-        raise ValueError(
-            f"the file ends inside this record ({size} bytes; the record ends at byte "
-            f"{offset + length}): it is truncated"
-        )
+    fqn = item.storage_index.fqn
+    problem = storage_entry_problem(fqn, offset, length, size)
+    if problem is not None:
+        raise ValueError(problem if problem.startswith(fqn) else f"{fqn}: the file {problem}")
     if item.type == LoadItemType.BYTE_IO:
         f.seek(offset)
         data = f.read(length)
@@ -311,10 +319,27 @@ def _load_item(
         return
     archive = archives.get(offset)
     if archive is None:
-        archive = archives[offset] = TorchSaveFile(f, offset, length)
+        archive = archives[offset] = open_record(f, offset, length, fqn)
+    tmd = planner.metadata.state_dict_metadata[fqn]
+    chunk = _chunk_sizes(planner, tmd, fqn).get(tuple(item.storage_index.offset))
+    if chunk is None:
+        raise ValueError(f"{fqn}: no chunk of .metadata at {list(item.storage_index.offset)}")
+    problem = record_problem(archive.obj, fqn, chunk, tmd.properties.dtype)
+    if problem is not None:
+        raise ValueError(problem)
     target = planner.resolve_tensor(item).detach()
     _fill(archive, item, target, h, (offset, length))
     planner.commit_tensor(item, target)
+
+
+def _chunk_sizes(planner: Any, tmd: Any, fqn: str) -> dict[tuple[int, ...], list[int]]:
+    """The chunks of ``fqn`` (metadata ``tmd``): offsets -> sizes, built once per tensor and
+    load (kept on the load's ``planner``; a rank reads many chunks of one tensor)."""
+    cache = planner.__dict__.setdefault("_dcpkit_chunk_sizes", {})
+    found = cache.get(fqn)
+    if found is None:
+        found = cache[fqn] = {tuple(c.offsets): list(c.sizes) for c in tmd.chunks}
+    return found
 
 
 def _fill(

@@ -12,17 +12,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dcpkit.formats.dcp import DCPCheckpoint, NotACheckpoint
+from dcpkit.formats.dcp import DCPCheckpoint, NotACheckpoint, open_local
 from dcpkit.formats.dcp_index import Box, DcpIndex
+from dcpkit.formats.rules import check_record, storage_entry_problem
 from dcpkit.formats.safetensors import read_header
 from dcpkit.layout import HF_INDEX, METADATA, METADATA_INDEX
 from dcpkit.manifest import Problem
 from dcpkit.safe_pickle import UnsafeCheckpoint
 
 
-def dcp_problems(folder: Path) -> tuple[list[Problem], Any]:
+def dcp_problems(folder: Path, opener: Any = None) -> tuple[list[Problem], Any]:
     """The structure's problems, and the ``Metadata`` parsed to find them (None when it could
-    not be parsed), for a load that follows to read by instead of parsing it again."""
+    not be parsed), for a load that follows to read by instead of parsing it again.
+    ``opener``: opens the data files (``CheckpointView.opener``; local files by default), whose
+    records' headers are checked against ``.metadata`` as every reader checks them."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    from dcpkit.dist import paused_gc
+
     problems: list[Problem] = []
     try:
         ckpt = DCPCheckpoint(folder)
@@ -30,48 +37,109 @@ def dcp_problems(folder: Path) -> tuple[list[Problem], Any]:
         return [Problem(METADATA, str(e))], None
     with ckpt:
         md = ckpt.metadata
-        sizes = _file_sizes(folder)
-        for index, info in md.storage_data.items():
-            problems += _storage_problem(
-                sizes, index.fqn, info.relative_path, info.offset, info.length
-            )
         problems += metadata_problems(md)
+        sizes = _file_sizes(folder)
+        stored = md.storage_data or {}
+        with RecordChecks(folder, sizes, opener) as records, paused_gc():
+            for fqn, tmd in md.state_dict_metadata.items():
+                if not isinstance(tmd, TensorStorageMetadata):
+                    entries = [(stored.get(MetadataIndex(fqn, None)), None)]
+                elif any(int(s) < 0 for s in tmd.size):
+                    continue  # its own problem above
+                else:
+                    entries = [(stored.get(MetadataIndex(fqn, c.offsets)), c) for c in tmd.chunks]
+                for info, chunk in entries:
+                    if info is None:  # its own problem above
+                        continue
+                    problems += records.check(
+                        fqn,
+                        info.relative_path,
+                        info.offset,
+                        info.length,
+                        None if chunk is None else list(chunk.sizes),
+                        tmd.properties.dtype if chunk is not None else None,
+                        bool(getattr(info, "transform_descriptors", None)),
+                    )
     return problems, md
+
+
+def refuse_broken(view: Any) -> None:
+    """Refuse a DCP checkpoint (a ``CheckpointView``) whose structure breaks a rule - the checks
+    ``verify`` and a load run - before a tool reads or writes anything from it: its tensors are
+    not what its ``.metadata`` says. Other formats pass (their readers check as they read)."""
+    from dcpkit.errors import CorruptCheckpoint
+    from dcpkit.formats.sources import DCP, detect_kind
+
+    if detect_kind(view.path) != DCP:
+        return
+    problems, _ = dcp_problems(view.path, view.opener)
+    if problems:
+        more = len(problems) - 1
+        tail = f" (and {more} more: `dcpkit verify` lists them)" if more else ""
+        raise CorruptCheckpoint(f"{view.location}/{problems[0]}{tail}")
 
 
 def _file_sizes(folder: Path) -> dict[str, int]:
     return {e.name: e.stat().st_size for e in folder.iterdir() if e.is_file()}
 
 
-def _storage_problem(
-    sizes: dict[str, int], fqn: str, name: str, offset: int, length: int
+class RecordChecks:
+    """The rules of ``formats.rules`` applied to storage entries of the checkpoint in ``folder``
+    (``sizes``: its files' sizes), each file opened once through ``opener``."""
+
+    def __init__(self, folder: Path, sizes: dict[str, int], opener: Any = None) -> None:
+        self.folder, self.sizes = folder, sizes
+        self.opener = opener or open_local
+        self.files: dict[str, Any] = {}
+
+    def __enter__(self) -> RecordChecks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+
+    def check(
+        self,
+        fqn: str,
+        name: str,
+        offset: int,
+        length: int,
+        sizes: list[int] | None,
+        dtype: Any,
+        transformed: bool = False,
+    ) -> list[Problem]:
+        """The problems of ``fqn``'s storage entry (``length`` bytes at ``offset`` of file
+        ``name``) and, for a tensor's chunk of shape ``sizes``, of the record there."""
+        problem = storage_entry_problem(fqn, offset, length, self.sizes.get(name))
+        if problem is not None:
+            return [Problem(name, problem)]
+        if sizes is None or transformed:  # a value (parsed when read), or compressed bytes
+            return []
+        try:
+            f = self.files.get(name)
+            if f is None:
+                f = self.files[name] = self.opener(self.folder / name)
+            check_record(f, offset, length, fqn, sizes, dtype)
+        except ValueError as e:
+            return [Problem(name, str(e))]
+        return []
+
+
+def index_problems(
+    folder: Path, index: DcpIndex, rank: int = 0, world: int = 1, opener: Any = None
 ) -> list[Problem]:
-    """A storage entry of ``fqn`` (``length`` bytes at ``offset`` of file ``name``) that its
-    file (``sizes``: the folder's files) cannot hold."""
-    size = sizes.get(name)
-    if size is None:
-        return [Problem(name, f"is missing (it holds {fqn})")]
-    if offset + length > size:
-        return [
-            Problem(
-                name,
-                f"is {size} bytes, too short for {fqn} (ends at byte {offset + length}): truncated",
-            )
-        ]
-    return []
-
-
-def index_problems(folder: Path, index: DcpIndex, rank: int = 0, world: int = 1) -> list[Problem]:
     """What ``dcp_problems`` checks, read from the index of ``.metadata`` instead, for the keys
     ``rank`` checks of ``world`` (each key by one rank): a load's ranks share the checks, and
-    none parses the whole ``.metadata``."""
+    none parses the whole ``.metadata``. ``opener``: as for ``dcp_problems``."""
     problems: list[Problem] = []
     sizes = _file_sizes(folder)
-    with index.mapped():
+    with index.mapped(), RecordChecks(folder, sizes, opener) as records:
         for fqn in list(index.keys())[rank::world]:
             e = index.entries[fqn]
             try:
-                rows = [e["b"]] if "b" in e else index.rows(fqn)
+                rows = [([], None, e["b"])] if "b" in e else index.rows(fqn)
             except UnsafeCheckpoint as err:
                 problems.append(Problem(METADATA_INDEX, str(err)))
                 continue
@@ -79,9 +147,9 @@ def index_problems(folder: Path, index: DcpIndex, rank: int = 0, world: int = 1)
                 boxes = [Box(o, k) for o, k, _ in rows]
                 found = chunk_problems(fqn, e["size"], boxes, first=True)
                 problems += [Problem(METADATA, p) for p in found]
-                rows = [extra for _, _, extra in rows]
-            for f, offset, length in rows:
-                problems += _storage_problem(sizes, fqn, index.files[f], offset, length)
+            for _, chunk_sizes, (f, offset, length) in rows:
+                name = index.files[f]
+                problems += records.check(fqn, name, offset, length, chunk_sizes, e.get("dtype"))
     return problems
 
 
@@ -153,6 +221,9 @@ def metadata_problems(md: Any) -> list[Problem]:
             if not isinstance(tmd, TensorStorageMetadata):
                 if MetadataIndex(fqn, None) not in stored:
                     problems.append(Problem(METADATA, f"{fqn}: value has no storage"))
+                continue
+            if any(int(s) < 0 for s in tmd.size):
+                problems.append(Problem(METADATA, f"{fqn}: negative size {list(tmd.size)}"))
                 continue
             found = chunk_problems(fqn, tmd.size, tmd.chunks, first=True)
             problems += [Problem(METADATA, p) for p in found]

@@ -48,10 +48,10 @@ from torch.distributed.checkpoint.state_dict import (
 from dcpkit import dist
 from dcpkit.engine.load import verify_everywhere
 from dcpkit.engine.publish import StepInfo, write_and_publish
-from dcpkit.engine.reading import dcp_reader
+from dcpkit.engine.reading import dcp_reader, load_failure
 from dcpkit.engine.states import capture_rng, differing_states, rank_key, restore_rng
 from dcpkit.engine.values import check_storable
-from dcpkit.errors import CheckpointError
+from dcpkit.errors import CheckpointError, CorruptCheckpoint
 from dcpkit.layout import MODEL, OPTIMIZER
 from dcpkit.safe_pickle import safe_load_planner
 from dcpkit.storage import open_location
@@ -152,7 +152,7 @@ class DcpCheckpointIO(CheckpointIO):
         if with_optimizers:
             template[OPTIMIZER] = [get_optimizer_state_dict(module, opt) for opt in optimizers]
         with dist.quiet_single_process():  # each process plans and reads its own shards
-            dcp.load(template, storage_reader=reader, planner=safe_load_planner(), no_dist=True)
+            _dcp_load(template, reader, safe_load_planner(), location)
         options = StateDictOptions(strict=True)
         set_model_state_dict(module, {prefix + k: v for k, v in model_sd.items()}, options=options)
         for opt, sd in zip(optimizers, template.get(OPTIMIZER, [])):
@@ -173,7 +173,7 @@ class DcpCheckpointIO(CheckpointIO):
         if self.verify_on_load:  # every process that loads: they split the checksums
             problems = verify_everywhere(store, name, require_commit=False)
             if problems:
-                raise CheckpointError(f"{location} failed verification: {'; '.join(problems)}")
+                raise CorruptCheckpoint(f"{location} failed verification: {'; '.join(problems)}")
         return store, name, location
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -313,18 +313,44 @@ def _read_whole(store: Any, name: str, location: str, only: str | None = None) -
     reader, _ = dcp_reader(store, name)
     metadata = reader.read_metadata()
     stored = sum(store.size(f"{name}/{n}") for n in store.list_names(name) if n.endswith(".distcp"))
-    wanted = 0
-    for md in metadata.state_dict_metadata.values():
-        if isinstance(md, TensorStorageMetadata):
-            wanted += md.properties.dtype.itemsize * math.prod(int(d) for d in md.size)
+    sizes = {
+        fqn: md.properties.dtype.itemsize * math.prod(int(d) for d in md.size)
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    negative = next(
+        (
+            fqn
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata) and any(int(d) < 0 for d in md.size)
+        ),
+        None,
+    )
+    if negative is not None:
+        shape = list(metadata.state_dict_metadata[negative].size)
+        raise CorruptCheckpoint(f"{location}/.metadata: {negative}: negative size {shape}")
+    wanted = sum(sizes.values())
     if wanted > stored:
-        raise CheckpointError(
-            f"{location}: its .metadata describes {wanted} bytes of tensors but its data files "
-            f"hold {stored}: damaged or not a checkpoint"
+        largest = max(sizes, key=sizes.__getitem__)
+        raise CorruptCheckpoint(
+            f"{location}/.metadata: {largest}: its tensors claim {wanted} bytes ({largest} "
+            f"{sizes[largest]}) but its data files hold {stored}: damaged or not a checkpoint"
         )
     planner = safe_load_planner(everything=True, keys=None if only is None else {only})
-    dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+    _dcp_load({}, reader, planner, location)
     return planner.original_state_dict  # dcp.load fills a dict of its own, the planner's
+
+
+def _dcp_load(template: dict[str, Any], reader: Any, planner: Any, location: str) -> None:
+    """``dcp.load``, its failure one error naming the checkpoint (never DCP's traceback)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcpkit.safe_pickle import UnsafeCheckpoint
+
+    try:
+        dcp.load(template, storage_reader=reader, planner=planner, no_dist=True)
+    except (CheckpointException, UnsafeCheckpoint) as e:
+        raise load_failure(e, location) from None
 
 
 def _move(obj: Any, where: torch.device) -> Any:

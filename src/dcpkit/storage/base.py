@@ -88,7 +88,7 @@ def open_checkpoint(
     path_or_url: str | Path, storage_options: dict[str, Any] | None = None, data: bool = True
 ) -> Iterator[CheckpointView]:
     """A checkpoint (or file) as the format readers see it; ``data=False`` when no tensor data
-    will be read (a remote checkpoint then costs its metadata only)."""
+    will be read (a remote checkpoint then costs its metadata and its records' headers only)."""
     store, name = open_location(path_or_url, storage_options)
     with store.view(name, data=data) as view:
         yield view
@@ -266,6 +266,7 @@ class CheckpointStore(ABC):
         self, name: str, data: bool = True, metadata: bool = True
     ) -> contextlib.AbstractContextManager[Any]:
         """``name`` as a ``CheckpointView``; FileNotFoundError naming it when it is missing.
+        ``data=False``: only records' headers will be read (a remote store reads small ranges).
         ``metadata=False``: a remote ``.metadata`` may stay a stand-in of its size (for a check
         that reads its index instead)."""
 

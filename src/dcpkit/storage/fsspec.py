@@ -66,6 +66,7 @@ _SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit
 _SMALL_FILE = 64 << 20  # other files up to this size are copied (metadata, configs, tokenizers)
 _STREAM_BLOCK = 4 << 20  # range request size when tensors are read from the remote files
 _STREAM_BLOCKS = 8  # blocks cached per open file: 32 MiB
+_HEADER_BLOCK = 64 << 10  # range request size when only records' headers are read
 
 
 class FsspecStore(CheckpointStore):
@@ -257,7 +258,7 @@ class FsspecStore(CheckpointStore):
                 self.fs.get(self._p(name), str(local))  # a single file: downloaded whole
             else:
                 self._skeleton(name, local, metadata)
-                opener = self._range_opener(name) if data else _no_data(self.location(name))
+                opener = self._range_opener(name, _STREAM_BLOCK if data else _HEADER_BLOCK)
             yield CheckpointView(local, self.location(name), self, name, opener)
         finally:
             tmp.cleanup()
@@ -288,24 +289,20 @@ class FsspecStore(CheckpointStore):
             else:
                 self.fs.get(self._p(f"{name}/{file}"), str(local))
 
-    def _range_opener(self, name: str) -> Callable[[Path], BinaryIO]:
+    def _range_opener(self, name: str, block: int) -> Callable[[Path], BinaryIO]:
+        """Opens the remote files of ``name`` for ranged reads of ``block`` bytes (a view
+        without data reads records' headers only: small blocks)."""
+
         def opener(path: Path) -> BinaryIO:
             return self.fs.open(
                 self._p(f"{name}/{path.name}"),
                 "rb",
-                block_size=_STREAM_BLOCK,
+                block_size=block,
                 cache_type="blockcache",
                 cache_options={"maxblocks": _STREAM_BLOCKS},
             )
 
         return opener
-
-
-def _no_data(location: str) -> Callable[[Path], BinaryIO]:
-    def opener(path: Path) -> BinaryIO:
-        raise StoreError(f"{location}/{path.name}: tensor data was not fetched for this view")
-
-    return opener
 
 
 @functools.cache

@@ -19,6 +19,7 @@ from dcpkit.convert.common import DEFAULT_BUDGET, max_abs_diff, row_blocks
 from dcpkit.convert.views import FromHF
 from dcpkit.formats.blocks import recycled_blocks
 from dcpkit.formats.sources import HF, open_source
+from dcpkit.formats.structure import refuse_broken
 from dcpkit.layout import is_model_key
 from dcpkit.storage import open_checkpoint
 
@@ -96,6 +97,8 @@ def diff_paths(
         open_checkpoint(a, storage_options) as va,
         open_checkpoint(b, storage_options) as vb,
     ):
+        for view in (va, vb):
+            refuse_broken(view)
         return _diff(
             open_source(va.path, va.opener, trust_pickle),
             open_source(vb.path, vb.opener, trust_pickle),

@@ -1,0 +1,139 @@
+"""Crafted folders (``tests/crafted.py``): a real checkpoint whose ``.metadata`` says what its
+records cannot hold, its index and manifest made to agree again. Every entry point - `dcpkit
+verify`, `list`, `inspect`, `diff`, `to-torch`, `to-hf`, the manager's load with and without
+checksums, Lightning's checkpoint IO - refuses each one with a ``CorruptCheckpoint`` (or a
+non-zero exit) whose message names the file, the key and the rule; `verify` and `list` never
+print OK for one. With and without the index of ``.metadata`` (DCP and TorchTitan write none)."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import Counter, cli
+from crafted import CASES, craft
+from dcpkit import CheckpointConfig, CheckpointManager, CorruptCheckpoint
+from dcpkit.models import build_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _model():
+    torch.manual_seed(0)
+    return build_model("llama3", "debugmodel", max_seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, str]:
+    """A one-process checkpoint (model, a user state, RNG) and the key the cases break: a 2-D
+    tensor whose rows and columns differ (a transposed claim is then another shape)."""
+    root = tmp_path_factory.mktemp("crafted") / "base"
+    cfg = CheckpointConfig(enable=True, interval=1)
+    with CheckpointManager(cfg, root, _model(), states={"train_state": Counter()}) as mgr:
+        mgr.save(1)
+    step = root / "checkpoint" / "step-1"
+    md = pickle.loads((step / ".metadata").read_bytes())
+    key = next(
+        k
+        for k, v in md.state_dict_metadata.items()
+        if hasattr(v, "chunks") and len(v.size) == 2 and v.size[0] != v.size[1]
+    )
+    return root, key
+
+
+def _copy(base: tuple[Path, str], tmp_path: Path, case, index: bool = True) -> tuple[Path, Path]:
+    root, key = base
+    run = tmp_path / case.name
+    shutil.copytree(root, run)
+    step = run / "checkpoint" / "step-1"
+    craft(step, case, key, index=index)
+    return run, step
+
+
+def _names(text: str, file_hint: tuple[str, ...], key: str, rule: str) -> None:
+    assert key in text, text
+    assert rule in text, text
+    assert any(f in text for f in file_hint), text
+
+
+FILES = (".distcp", ".metadata")  # the data file holding the record, or .metadata (.index)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_every_entry_point_refuses_a_crafted_folder(base, tmp_path, case):
+    _, key = base
+    run, step = _copy(base, tmp_path, case)
+    verdict = cli("verify", str(step))
+    assert verdict.returncode == 1 and "OK" not in verdict.stdout, verdict.stdout
+    _names(verdict.stdout, FILES, key, case.rule)
+    listed = cli("list", str(run / "checkpoint"))
+    assert listed.returncode == 1 and "CORRUPT" in listed.stdout, listed.stdout
+    assert "verified" not in listed.stdout
+    _names(listed.stdout, FILES, key, case.rule)
+    shown = cli("inspect", str(step))
+    assert shown.returncode == 1 and "problem:" in shown.stdout, shown.stdout
+    for args in (
+        ["diff", str(step), str(base[0] / "checkpoint" / "step-1")],
+        ["to-torch", str(step), str(tmp_path / "out.pth")],
+        ["to-hf", str(step), str(tmp_path / "hf"), "--flavor", "debugmodel"],
+    ):
+        done = cli(*args)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, (args, done)
+        assert key in done.stderr and any(f in done.stderr for f in FILES), (args, done.stderr)
+    assert not (tmp_path / "out.pth").exists() and not (tmp_path / "hf").exists()
+    for verify in (True, False):
+        cfg = CheckpointConfig(enable=True, interval=1, verify_on_load=verify)
+        mgr = CheckpointManager(cfg, run, _model(), states={"train_state": Counter()})
+        with mgr, pytest.raises(CorruptCheckpoint) as e:
+            mgr.load()
+        _names(str(e.value), FILES, key, case.rule)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_without_the_index_the_verdicts_are_the_same(base, tmp_path, case):
+    """Without an index, `verify`, `list` and a load check ``.metadata`` itself, by the same
+    rules."""
+    _, key = base
+    run, step = _copy(base, tmp_path, case, index=False)
+    assert not (step / ".metadata.index").exists()
+    verdict = cli("verify", str(step))
+    assert verdict.returncode == 1 and "OK" not in verdict.stdout, verdict.stdout
+    _names(verdict.stdout, FILES, key, case.rule)
+    assert cli("list", str(run / "checkpoint")).returncode == 1
+    cfg = CheckpointConfig(enable=True, interval=1, verify_on_load=False)
+    mgr = CheckpointManager(cfg, run, _model(), states={"train_state": Counter()})
+    with mgr, pytest.raises(CorruptCheckpoint) as e:
+        mgr.load()
+    _names(str(e.value), FILES, key, case.rule)
+
+
+def test_lightning_checkpoint_io_refuses_a_crafted_folder_naming_it(tmp_path):
+    """Lightning's ``DcpCheckpointIO.load_checkpoint`` on crafted folders: one error naming the
+    file, the key and the rule (never DCP's ``CheckpointException`` with a traceback inside),
+    with and without its verification on load."""
+    pytest.importorskip("lightning")
+    from dcpkit.integrations.lightning import DcpCheckpointIO
+
+    model = _model()
+    checkpoint = {"state_dict": model.state_dict(), "global_step": 1, "epoch": 0}
+    DcpCheckpointIO().save_checkpoint(checkpoint, tmp_path / "good.ckpt")
+    md = pickle.loads((tmp_path / "good.ckpt" / ".metadata").read_bytes())
+    key = next(
+        k
+        for k, v in md.state_dict_metadata.items()
+        if hasattr(v, "chunks") and len(v.size) == 2 and v.size[0] != v.size[1]
+    )
+    for case in CASES:
+        path = tmp_path / f"{case.name}.ckpt"
+        shutil.copytree(tmp_path / "good.ckpt", path)
+        craft(path, case, key, index=False)
+        for verify in (True, False):
+            with pytest.raises(CorruptCheckpoint) as e:
+                DcpCheckpointIO(verify_on_load=verify).load_checkpoint(path)
+            text = str(e.value)
+            assert "Traceback" not in text and key in text, (case.name, verify, text)
+            assert any(f in text for f in FILES) or path.name in text, (case.name, text)
