@@ -217,3 +217,25 @@ def test_a_restart_from_an_object_store_plans_nothing(seaweedfs, monkeypatch):
             assert proc.returncode == 0, proc.stdout + proc.stderr
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not planning.CACHING, reason="this torch's DCP cannot cache save plans")
+def test_a_restart_with_empty_shards_plans_nothing(tmp_path):
+    """A (1, 4) parameter over 2 ranks gives rank 1 an empty shard, and a (0, 4) one is empty
+    everywhere: the first save lists no empty chunk, and the restart's first save still takes
+    its plans from the checkpoint (0 plannings); what it wrote verifies and DCP's own load reads
+    it bit for bit."""
+    folder = tmp_path / "ckpt"
+    env = {"EMPTY_SHARDS": "1"}
+    first = _ranks(run_script(2, "restart_plans.py", str(folder), "first", "disabled", env=env))
+    assert [r["plans"] for r in first] == [[0, 0], [0, 0]]
+    proc = run_script(2, "restart_plans.py", str(folder), "restart", "disabled", env=env)
+    assert [r["plans"] for r in _ranks(proc)] == [[0, 1], [0, 0]]
+    assert "save takes its plans from step 2" in proc.stderr + proc.stdout
+    assert "the layout differs" not in proc.stderr + proc.stdout
+    assert cli("verify", str(folder / "step-3")).returncode == 0
+    check = _ranks(
+        run_script(2, "restart_plans.py", str(folder), "check", "disabled", "3", env=env)
+    )
+    assert all(r["bitwise"] for r in check), check

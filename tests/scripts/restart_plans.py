@@ -11,6 +11,7 @@ after each save, and (check) whether DCP's own load of the checkpoint equals the
 """
 
 import logging
+import os
 import sys
 
 import torch
@@ -22,9 +23,23 @@ from user_states import Reader, Sampler, report, snapshot, train_step
 from dcpkit import CheckpointConfig, CheckpointManager, dist
 
 
+class WithEmpty(torch.nn.Sequential):
+    """The same layers, a (1, 4) parameter (over 2 ranks, rank 1's shard of it is empty; in the
+    loss, so that AdamW keeps state for it) and a (0, 4) buffer (an empty tensor)."""
+
+    def __init__(self, *layers: torch.nn.Module) -> None:
+        super().__init__(*layers)
+        self.register_parameter("row", torch.nn.Parameter(torch.randn(1, 4)))
+        self.register_buffer("nothing", torch.zeros(0, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.row
+
+
 def build(seed: int):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    layers = (torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = WithEmpty(*layers) if os.environ.get("EMPTY_SHARDS") else torch.nn.Sequential(*layers)
     fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 

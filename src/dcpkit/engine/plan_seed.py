@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import (
@@ -58,22 +59,35 @@ def claim(plan: SavePlan, index: DcpIndex, rank: int) -> list[WriteItem] | None:
     if paths is None or any(paths.get(k) != tuple(v) for k, v in mine.items()):
         return None
     wanted: dict[str, Any] = {}
-    for item in plan.items:
+    empty: set[int] = set()  # items of zero-size chunks (a shard of a tensor smaller than the mesh)
+    for i, item in enumerate(plan.items):
         fqn = item.index.fqn
         if fqn not in index.entries:
             return None
         if item.type == WriteItemType.BYTE_IO:
             wanted[fqn] = None
-        else:
-            chunk = item.tensor_data.chunk  # type: ignore[union-attr]
-            wanted.setdefault(fqn, []).append((list(chunk.offsets), list(chunk.sizes)))
+            continue
+        chunk = item.tensor_data.chunk  # type: ignore[union-attr]
+        entry = index.entries[fqn]
+        if math.prod(chunk.sizes) == 0 and math.prod(entry.get("size") or [1]) != 0:
+            # an empty shard of a tensor that is not empty holds nothing: a described save lists
+            # no such chunk, so the index has none; the tensor itself must match (an index that
+            # lists empty chunks has entries no rank takes: the count after the all-reduce
+            # says so). An empty tensor's one chunk is stored, and taken as any other.
+            if not _same_tensor(item, entry):
+                return None
+            empty.add(i)
+            continue
+        wanted.setdefault(fqn, []).append((list(chunk.offsets), list(chunk.sizes)))
     try:
         stored = index.metadata(wanted)
     except UnsafeCheckpoint:
         return None
     prefix = rank_file_prefix(rank)
     taken: list[WriteItem] = []
-    for item in plan.items:
+    for i, item in enumerate(plan.items):
+        if i in empty:
+            continue
         key = _stored_key(item, stored.state_dict_metadata.get(item.index.fqn))
         info = stored.storage_data.get(key) if key is not None else None
         if info is None:
@@ -81,6 +95,17 @@ def claim(plan: SavePlan, index: DcpIndex, rank: int) -> list[WriteItem] | None:
         if info.relative_path.startswith(prefix):
             taken.append(item)
     return taken
+
+
+def _same_tensor(item: WriteItem, entry: dict[str, Any]) -> bool:
+    """Whether the index's ``entry`` is the tensor ``item`` writes a chunk of (shape, dtype)."""
+    data = item.tensor_data
+    return (
+        data is not None
+        and "b" not in entry
+        and entry.get("size") == list(data.size)
+        and entry.get("dtype") == data.properties.dtype
+    )
 
 
 def _stored_key(item: WriteItem, md: Any) -> MetadataIndex | None:

@@ -292,9 +292,10 @@ class CachingPlanner(DefaultSavePlanner):
         failed, claimed = dist.all_sum([taken is None, len(taken or ())], self.group)
         if failed or claimed != stored:
             if rank == 0:
-                logger.info(
+                logger.warning(
                     "checkpoint: the first save plans: the layout differs from step %d's "
-                    "(%d of %d ranks match it; %d of its %d entries taken)",
+                    "(%d of %d ranks match it; %d of its %d entries taken), so every rank's "
+                    "plan is gathered and planned on the coordinator",
                     seed.step, dist.world_size() - failed, dist.world_size(), claimed, stored,
                 )  # fmt: skip
             return False
