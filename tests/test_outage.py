@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -157,3 +158,112 @@ def test_a_store_that_comes_back_lets_the_save_complete(proxy, managers):
     threading.Timer(4.0, proxy.up).start()
     assert mgr.save(2)
     assert open_store(folder).published_steps() == [1, 2]
+
+
+# --- a load that loses its store, on 2 ranks ----------------------------------------------------
+
+
+def _torchrun(script_args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    import sys
+
+    from conftest import ROOT, torchrun_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(ROOT / "tests" / "scripts" / "load_outage.py"), *script_args]
+    return subprocess.Popen(
+        cmd, env=torchrun_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _lines(proc: subprocess.Popen, seen: list[str]) -> threading.Thread:
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            seen.append(line.rstrip("\n"))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t
+
+
+def _load_run(folder, endpoint, retry_s, tmp_path, cut=None, back=None):  # type: ignore[no-untyped-def]
+    """One 2-rank load; ``cut(proxy)`` is called once the load has started (rank 0's marker),
+    ``back`` (seconds after the cut) brings the store back. Returns the ranks' result lines."""
+    marker = tmp_path / f"started-{uuid.uuid4().hex}"
+    seen: list[str] = []
+    proc = _torchrun([folder, endpoint, "load", str(retry_s), str(marker)], {})
+    reader = _lines(proc, seen)
+    try:
+        if cut is not None:
+            deadline = time.monotonic() + 120
+            while not marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            cut()
+            if back is not None:
+                time.sleep(back)
+                cut.proxy.up()
+        deadline = time.monotonic() + retry_s + 90
+        while time.monotonic() < deadline:
+            done = [x for x in seen if x.startswith(("FAILED", "STATE"))]
+            if len(done) == 2:
+                break
+            time.sleep(0.1)
+        cut.proxy.up() if cut is not None else None
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(timeout=10)
+    assert proc.returncode == 0, "\n".join(seen[-60:])
+    return sorted(x for x in seen if x.startswith(("FAILED", "STATE")))
+
+
+class _Cut:
+    def __init__(self, proxy, after: float) -> None:  # type: ignore[no-untyped-def]
+        self.proxy, self.after = proxy, after
+
+    def __call__(self) -> None:
+        time.sleep(self.after)
+        self.proxy.down()
+
+
+@pytest.fixture
+def weed_proxy(seaweedfs, monkeypatch):
+    import s3fs
+
+    use_endpoint(monkeypatch, seaweedfs)
+    p = Proxy(int(seaweedfs.rsplit(":", 1)[1]))
+    yield p
+    p.close()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.dist
+def test_a_load_that_loses_its_store_fails_on_every_rank_together(weed_proxy, tmp_path):
+    """SeaweedFS behind a proxy cut 0.2 s into a 2-rank load, and at half of it: both ranks
+    raise (each catching it and going on to a barrier that both reach) within storage_retry_s
+    + 30 s, with the same message naming the store; a store that comes back within the retry
+    time lets the load complete bit for bit."""
+    endpoint = f"http://127.0.0.1:{weed_proxy.port}"
+    folder = f"s3://{BUCKET}/load-outage-{uuid.uuid4().hex}/checkpoint"
+    saved = _torchrun([folder, endpoint, "save"], {})
+    out, _ = saved.communicate(timeout=300)
+    assert saved.returncode == 0, out[-4000:]
+    states = sorted(x for x in out.splitlines() if x.startswith("STATE"))
+    clean = _load_run(folder, endpoint, 60, tmp_path)
+    assert [x.split()[:4] for x in clean] == [x.split()[:4] for x in states], (clean, states)
+    took = max(float(x.split()[4]) for x in clean)
+    retry_s = 8
+    for after in (0.2, took / 2):
+        start = time.monotonic()
+        lines = _load_run(folder, endpoint, retry_s, tmp_path, cut=_Cut(weed_proxy, after))
+        assert time.monotonic() - start < retry_s + 30 + 60  # startup included
+        assert [x.split()[:3] for x in lines] == [["FAILED", "rank", "0"], ["FAILED", "rank", "1"]]
+        waited = [float(x.split()[3]) for x in lines]
+        assert all(w < retry_s + 30 for w in waited), lines
+        messages = [x.split(" ", 4)[4] for x in lines]
+        assert messages[0] == messages[1], lines
+        assert "StoreUnavailable" in messages[0] and f"retried for {retry_s}s" in messages[0]
+        assert f"127.0.0.1:{weed_proxy.port}" in messages[0] or BUCKET in messages[0], lines
+        weed_proxy.up()
+    back = _load_run(folder, endpoint, 60, tmp_path, cut=_Cut(weed_proxy, 0.2), back=3.0)
+    assert [x.split()[:4] for x in back] == [x.split()[:4] for x in states], (back, states)

@@ -13,6 +13,7 @@ from dcpkit import dist
 from dcpkit.config import ConfigError
 from dcpkit.engine.policy import choose_step, fallback_steps, is_seed_step
 from dcpkit.engine.reading import FailedVerification
+from dcpkit.engine.together import together
 from dcpkit.errors import CheckpointError, CorruptCheckpoint
 from dcpkit.integrity import verify_checkpoint
 from dcpkit.layout import (
@@ -203,15 +204,19 @@ def verify_everywhere(
     ``only`` these, when given; sizes and structure are checked for all). Empty when it is
     intact. ``kept``: gets the ``Metadata`` the checks parsed, or the index of ``.metadata``
     they read, for the load to read by."""
-    share = checksum_share(store, name)
-    mine = None if share is None else sorted(n for n in share if only is None or n in only)
-    report = verify_checkpoint(
-        store,
-        name,
-        checksum_files=mine,
-        require_commit=require_commit,
-        share=(dist.rank(), dist.world_size()),
-    )
+
+    def check() -> Any:
+        share = checksum_share(store, name)
+        mine = None if share is None else sorted(n for n in share if only is None or n in only)
+        return verify_checkpoint(
+            store,
+            name,
+            checksum_files=mine,
+            require_commit=require_commit,
+            share=(dist.rank(), dist.world_size()),
+        )
+
+    report = together(check, store.location(name))  # a store that fails one rank fails all
     if kept is not None:
         kept["metadata"], kept["index"] = report.metadata, report.index
     return gather_problems(report.problems)
@@ -275,8 +280,9 @@ def restore_verified(
     them (local or remote), in the same pass, each rank its share; a failure falls back as
     configured.
     Returns the plan loaded and the pieces restored."""
-    fused = (  # DCP data read by dcpkit's reader: it checksums the files as it loads them
-        plan.store.direct_reads and METADATA in plan.store.list_names(plan.name)
+    fused = together(  # DCP data read by dcpkit's reader: it checksums the files as it loads
+        lambda: plan.store.direct_reads and METADATA in plan.store.list_names(plan.name),
+        plan.location,
     )
     if not config.verify_on_load:  # no checksums; sizes and structure still, as verify checks
         kept: dict[str, Any] = {}

@@ -31,6 +31,7 @@ from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.restore import HFCodec, restore
 from dcpkit.engine.save import Saver, check_config, check_replacement, collect, mesh_info
 from dcpkit.engine.states import ModelState, Stateful, check_same_on_every_rank, collect_states
+from dcpkit.engine.together import failure_of, raise_failure, retrying
 from dcpkit.layout import MODEL, RNG, step_name
 from dcpkit.storage import open_location, open_store
 
@@ -106,8 +107,8 @@ class CheckpointManager:
         when there is nothing to load and training starts fresh."""
         if not self.config.enable:
             return None
-        plan = load_plan.plan_load(self.config, self.store, self.states) if self.rank == 0 else None
-        plan = dist.broadcast_object(plan)
+        retry_s = self.config.storage_retry_s
+        plan = retrying(self._choose_step, retry_s, f"loading from {self.store.root}")
         plan.raise_if_failed()
         if self._memory is not None and self.config.load_step == -1:
             step = self._memory.recover(plan.step)
@@ -126,7 +127,11 @@ class CheckpointManager:
         start = time.perf_counter()
         read: dict[str, Any] = {}  # what the load read by (its index)
         restore = functools.partial(self._restore, seen=read)
-        plan, loaded = load_plan.restore_verified(plan, self.config, self.store, restore)
+        plan, loaded = retrying(
+            lambda: load_plan.restore_verified(plan, self.config, self.store, restore),
+            retry_s,
+            f"loading {plan.location}",
+        )
         seconds, pieces = time.perf_counter() - start, ", ".join(loaded)
         logger.info(
             f"checkpoint: loaded {plan.location} ({plan.reason}; {pieces}) in {seconds:.2f}s"
@@ -136,6 +141,19 @@ class CheckpointManager:
         if self._saver is not None and self._resumed_from is not None:  # its plans, for a save
             self._saver.resumed(read, plan.step)
         return plan.step
+
+    def _choose_step(self) -> Any:
+        """The load's plan: rank 0 chooses, every rank gets it (or the failure, together)."""
+        plan, failure = None, None
+        if self.rank == 0:
+            try:
+                plan = load_plan.plan_load(self.config, self.store, self.states)
+            except Exception as e:
+                failure = failure_of(e, self.store.root)
+        plan, failure = dist.broadcast_object((plan, failure))
+        if failure is not None:
+            raise_failure(*failure)
+        return plan
 
     def load_from(self, path: str | Path, model_only: bool = False) -> list[str]:
         """Load the checkpoint at ``path`` (a folder or a URL) into the current state, at any

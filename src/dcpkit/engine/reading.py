@@ -14,6 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcpkit import dist
+from dcpkit.engine.publish import transient
+from dcpkit.engine.together import OTHER, TRANSIENT, failure_of, raise_failure
 from dcpkit.errors import CheckpointError, CorruptCheckpoint, first_failure
 from dcpkit.formats.dcp_index import DcpIndex, bound_index
 from dcpkit.formats.dcp_reader import DirectFileSystemReader
@@ -43,7 +45,11 @@ def load_failure(e: BaseException, location: str) -> CheckpointError:
 
 
 def load_into(
-    template: dict[str, Any], reader: Any, location: str, gather: bool, stored: int = 0
+    template: dict[str, Any],
+    reader: Any,
+    location: str,
+    gather: bool,
+    stored: int = 0,
 ) -> None:
     """``dcp.load`` of ``template`` through ``reader``, each rank planning its own reads: a
     load's global plan is every rank's local plan unchanged, so DCP's exchange of the plans
@@ -52,28 +58,30 @@ def load_into(
     rank fails when one did, and checksum problems found by any rank are reported by all.
     With ``gather``, records that several ranks need are read once and shared (dcpkit's reader:
     ``formats/shared_read.py``); the bytes the ranks read from storage are logged beside the
-    checkpoint's ``stored`` bytes."""
-    error, corrupt = None, False
+    checkpoint's ``stored`` bytes. A failure is raised on every rank, as a ``StoreUnavailable``
+    when the store stopped answering (the load retries it)."""
+    error, kind = None, OTHER
     if gather and isinstance(reader, DirectFileSystemReader):
         reader.shared = True  # every rank joins the reader's one exchange, failed or not
     try:
         with dist.quiet_single_process():
             dcp.load(template, storage_reader=reader, planner=safe_load_planner(), no_dist=True)
     except (CheckpointException, UnsafeCheckpoint) as e:
-        failure = load_failure(e, location)
-        error, corrupt = str(failure), isinstance(failure, CorruptCheckpoint)
+        error, kind = failure_of(load_failure(e, location), location)
+        if transient(first_failure(e)):
+            kind = TRANSIENT
     finally:
         if getattr(reader, "shared", False):  # failed before reading: the others must not wait
             reader.join_failed()
     problems = [str(p) for p in getattr(reader, "problems", [])]
     read = getattr(reader, "bytes_read", None)
-    mine = (error, problems, read, corrupt)
+    mine = (error, problems, read, kind)
     outcomes = dist.all_gather_object(mine) if gather else [mine]
-    errors = [(r, e, c) for r, (e, _, _, c) in enumerate(outcomes) if e is not None]
+    errors = [(r, e, k) for r, (e, _, _, k) in enumerate(outcomes) if e is not None]
     if errors:
-        rank, first, broken = errors[0]
+        rank, first, kind = errors[0]
         where = f" (rank {rank})" if gather and rank != dist.rank() else ""
-        raise (CorruptCheckpoint if broken else CheckpointError)(f"{first}{where}")
+        raise_failure(f"{first}{where}", kind)
     found = sorted({p for _, part, _, _ in outcomes for p in part})
     if found:
         raise FailedVerification(location, found)

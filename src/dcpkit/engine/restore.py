@@ -29,6 +29,7 @@ from dcpkit.engine.states import (
     restore_rng,
     rng_source_rank,
 )
+from dcpkit.engine.together import together
 from dcpkit.engine.values import fit_to_saved
 from dcpkit.errors import CheckpointError
 from dcpkit.formats.dcp_index import DcpIndex
@@ -80,7 +81,67 @@ def restore(
     loaded (load another checkpoint, or stop). ``metadata``: its ``.metadata``, parsed by the
     checks before, not parsed again; ``index``: likewise its index, as the checks read it.
     ``own_rank``: a checkpoint of this rank alone (the memory tier), read without collectives,
-    its per-rank values and RNG this rank's own."""
+    its per-rank values and RNG this rank's own.
+
+    Every rank fails together: when one fails before it reads (the store stopped answering, a
+    file is broken), every rank raises its failure before any reads (``together``)."""
+    location = store.location(name)
+    gather = not own_rank and dist.is_dist()
+    prepared = together(
+        lambda: _prepare(
+            store, name, model, states, model_only=model_only, excluded=excluded, rng=rng,
+            hf=hf, own_rank=own_rank, checksums=checksums, metadata=metadata, index=index,
+            seen=seen,
+        ),
+        location,
+        gather,
+    )  # fmt: skip
+    if isinstance(prepared, list):  # a Hugging Face folder, loaded whole
+        return prepared
+    template, reader, stored, model_sd, wanted, per_rank, rng_plan = prepared
+    load_into(template, reader, location, gather, stored)
+    model.load_state_dict({k: template[k] for k in model_sd})
+    for group in wanted:
+        obj = states[group]
+        if group not in per_rank:
+            obj.load_state_dict(template[group])
+        elif per_rank[group][0] == "reshard":
+            saved_states = [template[group][rank_key(i)] for i in range(per_rank[group][1])]
+            obj.obj.load_state_dict(
+                obj.obj.reshard_state_dict(saved_states, dist.rank(), dist.world_size())
+            )
+        else:
+            obj.obj.load_state_dict(template[group][rank_key(per_rank[group][1])])
+    restored = [MODEL, *wanted]
+    if rng_plan is not None:
+        source, offset = rng_plan
+        try:
+            restore_rng(template[RNG][rank_key(source)], reseed_offset=offset, where=location)
+        except UnsafeCheckpoint as e:
+            raise CheckpointError(str(e)) from None
+        restored.append(RNG)
+    return restored
+
+
+def _prepare(
+    store: Any,
+    name: str,
+    model: ModelState,
+    states: dict[str, Stateful],
+    *,
+    model_only: bool,
+    excluded: Iterable[str],
+    rng: bool,
+    hf: HFCodec | None,
+    own_rank: bool,
+    checksums: dict[str, str] | None,
+    metadata: Any,
+    index: DcpIndex | None,
+    seen: dict[str, Any] | None,
+) -> Any:
+    """Everything a load does before it reads (``restore``): the pieces restored (a Hugging
+    Face folder, loaded here), or the template, the reader, the stored bytes, the model's state
+    dict, the groups wanted, the per-rank plan and the RNG plan."""
     location = store.location(name)
     names = set(store.list_names(name))
     if names & HF_FILES and METADATA not in names:
@@ -164,28 +225,7 @@ def restore(
             raise CheckpointError(str(e)) from None
     files = (manifest or {}).get("files") or {}
     stored = sum(e.get("size", 0) for n, e in files.items() if n.endswith(".distcp"))
-    load_into(template, reader, location, not own_rank and dist.is_dist(), stored)
-    model.load_state_dict({k: template[k] for k in model_sd})
-    for group in wanted:
-        obj = states[group]
-        if group not in per_rank:
-            obj.load_state_dict(template[group])
-        elif per_rank[group][0] == "reshard":
-            saved_states = [template[group][rank_key(i)] for i in range(per_rank[group][1])]
-            obj.obj.load_state_dict(
-                obj.obj.reshard_state_dict(saved_states, dist.rank(), dist.world_size())
-            )
-        else:
-            obj.obj.load_state_dict(template[group][rank_key(per_rank[group][1])])
-    restored = [MODEL, *wanted]
-    if rng_plan is not None:
-        source, offset = rng_plan
-        try:
-            restore_rng(template[RNG][rank_key(source)], reseed_offset=offset, where=location)
-        except UnsafeCheckpoint as e:
-            raise CheckpointError(str(e)) from None
-        restored.append(RNG)
-    return restored
+    return template, reader, stored, model_sd, wanted, per_rank, rng_plan
 
 
 def _missing_message(location: str, missing: list[str], manifest: Any, saved: set[str]) -> str:
