@@ -137,3 +137,46 @@ def test_lightning_checkpoint_io_refuses_a_crafted_folder_naming_it(tmp_path):
             text = str(e.value)
             assert "Traceback" not in text and key in text, (case.name, verify, text)
             assert any(f in text for f in FILES) or path.name in text, (case.name, text)
+
+
+def test_accelerate_and_torchtitan_refuse_a_crafted_folder_naming_it(tmp_path):
+    """Accelerate's ``AcceleratorCheckpoint.load_state`` and TorchTitan's checkpoint manager
+    (dcpkit's, as TorchTitan builds it) refuse every crafted case the same way."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("torchtitan")
+    from accelerate import Accelerator
+
+    from dcpkit.integrations.accelerate import AcceleratorCheckpoint
+    from dcpkit.integrations.torchtitan import DcpkitCheckpointManager
+
+    accelerator = Accelerator(cpu=True)
+    config = DcpkitCheckpointManager.Config(enable=True, interval=1)
+
+    def titan(folder: Path) -> DcpkitCheckpointManager:
+        return DcpkitCheckpointManager(
+            config, dataloader=None, model_parts=[_model()], optimizers=Counter(),
+            lr_schedulers=Counter(), states={}, base_folder=str(folder),
+        )  # fmt: skip
+
+    writer = titan(tmp_path / "titan")
+    writer.save(1, last_step=False)
+    writer.close()
+    with AcceleratorCheckpoint(accelerator, tmp_path / "accelerate", _model()) as ckpt:
+        ckpt.save_state(1, force=True)
+    key = "tok_embeddings.weight"
+    for case in CASES:
+        for name in ("titan", "accelerate"):
+            run = tmp_path / f"{name}-{case.name}"
+            shutil.copytree(tmp_path / name, run)
+            craft(run / "checkpoint" / "step-1", case, key)
+            with pytest.raises(CorruptCheckpoint) as e:
+                if name == "titan":
+                    reader = titan(run)
+                    try:
+                        reader.load()
+                    finally:
+                        reader.close()
+                else:
+                    with AcceleratorCheckpoint(accelerator, run, _model()) as ckpt:
+                        ckpt.load_state()
+            _names(str(e.value), FILES, key, case.rule)
