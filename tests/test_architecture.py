@@ -91,7 +91,7 @@ def test_only_storage_tells_local_from_remote():
     """``is_url`` is defined and called in one module; no module outside storage/ names a
     particular store, fsspec, or the commit marker that only object stores use."""
     users = sorted(m for m, p in MODULES.items() if "is_url" in _names(p))
-    assert users == ["dcpkit.storage.base"]
+    assert users == ["dcpkit.storage.opening"]
     store_specific = {"FsspecStore", "LocalStore", "fsspec", "COMMIT_MARKER", "FsspecReader"}
     for module, path in MODULES.items():
         if _in(module, "dcpkit.storage") or module == "dcpkit.layout":

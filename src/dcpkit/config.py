@@ -163,8 +163,22 @@ class CheckpointConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> CheckpointConfig:
-        """Read the ``[checkpoint]`` section of a TOML file."""
-        return section_from_dict(cls, "checkpoint", read_toml(path).get("checkpoint", {}))
+        """Read the ``[checkpoint]`` section of a TOML file (other tables, such as a trainer's
+        ``[job]``, are left alone). A file without that table, or with options outside any
+        table, is refused naming the file: its options would be silently ignored."""
+        content = read_toml(path)
+        loose = sorted(k for k, v in content.items() if not isinstance(v, dict))
+        if loose:
+            raise ConfigError(
+                f"{path}: {', '.join(loose)} lie outside any table; put checkpoint options "
+                "under a [checkpoint] table"
+            )
+        if not isinstance(content.get("checkpoint"), dict):
+            raise ConfigError(
+                f"{path} has no [checkpoint] table; its checkpoint options go under "
+                "[checkpoint] (for example: [checkpoint] enable = true)"
+            )
+        return section_from_dict(cls, "checkpoint", content["checkpoint"])
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

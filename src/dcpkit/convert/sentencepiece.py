@@ -8,13 +8,13 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcpkit.convert.tokenizer import (
+from dcpkit.convert.tokenizer_files import (
     SENTENCEPIECE,
     Converted,
     TokenizerError,
-    _config,
-    _read_bounded,
-    _special_map,
+    read_bounded,
+    special_map,
+    tokenizer_config,
 )
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -89,7 +89,7 @@ def _signed(v: int) -> int:
 def read_sentencepiece(path: Path) -> SentencePieceModel:
     """The parts of a SentencePiece ``ModelProto`` a tokenizer needs."""
     model = SentencePieceModel(pieces=[])
-    for number, value in _Proto(_read_bounded(path), path).fields():
+    for number, value in _Proto(read_bounded(path), path).fields():
         if number == 1 and isinstance(value, bytes):
             piece, score, kind = "", 0.0, NORMAL
             for n, v in _Proto(value, path).fields():
@@ -209,5 +209,5 @@ def sentencepiece_to_hf(path: Path, max_len: int | None = None) -> Converted:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, sp.bos_id)]
         )
-    config = _config(bos, eos, unk, max_len, tok, pad=pad)
-    return Converted(tok.to_str(), config, SENTENCEPIECE, _special_map(bos, eos, unk, pad))
+    config = tokenizer_config(bos, eos, unk, max_len, tok, pad=pad)
+    return Converted(tok.to_str(), config, SENTENCEPIECE, special_map(bos, eos, unk, pad))

@@ -17,14 +17,21 @@ import base64
 import binascii
 import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dcpkit.convert.adapters import ConversionError
-
-MAX_TOKENIZER_BYTES = 512 << 20
-"""A tokenizer file larger than this is refused (Llama 3's is 2.2 MB)."""
+from dcpkit.convert.sentencepiece import sentencepiece_to_hf
+from dcpkit.convert.tokenizer_files import (  # noqa: F401  (re-exported)
+    HF_JSON,
+    MAX_TOKENIZER_BYTES,
+    SENTENCEPIECE,
+    TIKTOKEN,
+    Converted,
+    TokenizerError,
+    read_bounded,
+    special_map,
+    tokenizer_config,
+)
 
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -50,22 +57,6 @@ LLAMA3_SPECIAL_TOKENS = _LLAMA3_NAMED + [
 ]
 """Llama 3's 256 special tokens, numbered after the BPE ranks (128000 ... 128255)."""
 
-TIKTOKEN, SENTENCEPIECE, HF_JSON = "tiktoken", "sentencepiece", "tokenizer.json"
-
-
-class TokenizerError(ConversionError):
-    """A tokenizer file that cannot be read or converted; the message names the file."""
-
-
-@dataclass
-class Converted:
-    """A tokenizer ready to write: ``tokenizer.json`` text and ``tokenizer_config.json``."""
-
-    tokenizer_json: str
-    config: dict[str, Any]
-    source_kind: str
-    special_tokens_map: dict[str, str] = field(default_factory=dict)
-
 
 def _bytes_to_unicode() -> dict[int, str]:
     """The byte-level alphabet of GPT-2-style tokenizers: printable bytes stand for themselves,
@@ -84,19 +75,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 BYTE_TO_UNICODE = _bytes_to_unicode()
 
 
-def _read_bounded(path: Path) -> bytes:
-    size = path.stat().st_size
-    if size > MAX_TOKENIZER_BYTES:
-        raise TokenizerError(
-            f"{path}: {size} bytes, more than any tokenizer file this reads "
-            f"({MAX_TOKENIZER_BYTES >> 20} MiB); is it a tokenizer?"
-        )
-    return path.read_bytes()
-
-
 def detect_model_file(path: Path) -> str:
     """``tiktoken`` or ``sentencepiece`` for a ``tokenizer.model`` file, by its content."""
-    head = _read_bounded(path)[:4096]
+    head = read_bounded(path)[:4096]
     first = head.split(b"\n", 1)[0].strip()
     if re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+", first):
         return TIKTOKEN
@@ -115,7 +96,7 @@ def read_tiktoken(path: Path) -> dict[bytes, int]:
     """``{token bytes: rank}`` from a tiktoken BPE file; ranks must be 0 ... n-1, each once."""
     ranks: dict[bytes, int] = {}
     seen: set[int] = set()
-    for number, line in enumerate(_read_bounded(path).splitlines(), 1):
+    for number, line in enumerate(read_bounded(path).splitlines(), 1):
         if not line.strip():
             continue
         parts = line.split()
@@ -195,8 +176,8 @@ def tiktoken_to_hf(
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, bos_id)]
         )
-    config = _config(bos, eos, None, max_len, tok)
-    return Converted(tok.to_str(), config, TIKTOKEN, _special_map(bos, eos, None))
+    config = tokenizer_config(bos, eos, None, max_len, tok)
+    return Converted(tok.to_str(), config, TIKTOKEN, special_map(bos, eos, None))
 
 
 def write_tiktoken(tokenizer_json: str, path: Path) -> int:
@@ -216,33 +197,8 @@ def write_tiktoken(tokenizer_json: str, path: Path) -> int:
     return len(items)
 
 
-# --- common --------------------------------------------------------------------------------------
-
-
-def _special_map(
-    bos: str | None, eos: str | None, unk: str | None, pad: str | None = None
-) -> dict[str, str]:
-    names = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
-    return {k: v for k, v in names.items() if v}
-
-
-def _config(
-    bos: str | None, eos: str | None, unk: str | None, max_len: int | None, tok: Any, pad=None
-) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "clean_up_tokenization_spaces": False,
-        **_special_map(bos, eos, unk, pad),
-    }
-    if max_len:
-        config["model_max_length"] = max_len
-    return config
-
-
 def convert_model_file(path: Path, max_len: int | None = None) -> Converted:
     """A ``tokenizer.model`` (tiktoken or SentencePiece) as a Hugging Face tokenizer."""
-    from dcpkit.convert.sentencepiece import sentencepiece_to_hf
-
     kind = detect_model_file(path)
     if kind == TIKTOKEN:
         return tiktoken_to_hf(path, max_len=max_len)
@@ -265,7 +221,7 @@ def load_tokenizer(path: str | Path) -> tuple[Any, str]:
         raise FileNotFoundError(f"tokenizer {path} does not exist")
     if path.suffix == ".json":
         try:
-            return Tokenizer.from_str(_read_bounded(path).decode("utf-8")), HF_JSON
+            return Tokenizer.from_str(read_bounded(path).decode("utf-8")), HF_JSON
         except Exception as e:
             raise TokenizerError(f"{path} is not a tokenizer.json that loads: {e}") from None
     converted = convert_model_file(path)

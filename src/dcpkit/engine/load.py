@@ -4,6 +4,7 @@ first, falling back to the newest older step that is when ``fallback_on_corrupti
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from dcpkit import dist
 from dcpkit.config import ConfigError
 from dcpkit.engine.policy import choose_step, fallback_steps, is_seed_step
 from dcpkit.engine.reading import FailedVerification
-from dcpkit.engine.together import together
+from dcpkit.engine.together import failure_of, raise_failure, retrying, together
 from dcpkit.errors import CheckpointError, CorruptCheckpoint
 from dcpkit.integrity import verify_checkpoint
 from dcpkit.layout import (
@@ -84,6 +85,26 @@ def plan_load(config: Any, store: Any, states: Any = ()) -> LoadPlan:
     if config.initial_load_path:
         return _plan_initial_load(config)
     return LoadPlan(None, None, None, False, f"{choice.reason}: starting fresh")
+
+
+def plan_everywhere(config: Any, store: Any, states: Any = ()) -> LoadPlan:
+    """``plan_load`` on rank 0, its plan (or its failure, raised together) on every rank; a
+    store that does not answer is tried again within ``storage_retry_s``."""
+    what = f"loading from {store.root}"
+    return retrying(lambda: _plan_once(config, store, states), config.storage_retry_s, what)
+
+
+def _plan_once(config: Any, store: Any, states: Any) -> LoadPlan:
+    plan, failure = None, None
+    if dist.rank() == 0:
+        try:
+            plan = plan_load(config, store, states)
+        except Exception as e:
+            failure = failure_of(e, store.root)
+    plan, failure = dist.broadcast_object((plan, failure))
+    if failure is not None:
+        raise_failure(*failure)
+    return plan
 
 
 def _holds_model_only(store: Any, name: str) -> bool:
@@ -273,6 +294,16 @@ def fallback(plan: LoadPlan, problems: list[str], config: Any, store: Any) -> Lo
 
 
 def restore_verified(
+    plan: LoadPlan, config: Any, store: Any, restore: Callable[..., list[str]]
+) -> tuple[LoadPlan, list[str]]:
+    """``_restore_verified``, tried again while the store does not answer, within
+    ``storage_retry_s`` (every rank together)."""
+    what = f"loading {plan.location}"
+    once = functools.partial(_restore_verified, plan, config, store, restore)
+    return retrying(once, config.storage_retry_s, what)
+
+
+def _restore_verified(
     plan: LoadPlan, config: Any, store: Any, restore: Callable[..., list[str]]
 ) -> tuple[LoadPlan, list[str]]:
     """``restore(store, name, model_only[, checksums=])`` the checkpoint of ``plan``, or with

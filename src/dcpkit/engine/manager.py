@@ -22,6 +22,7 @@ from torch import nn
 
 from dcpkit import dist
 from dcpkit.config import CheckpointConfig
+from dcpkit.console import summary
 from dcpkit.engine import load as load_plan
 from dcpkit.engine.lease import check_free, check_lease, release_folder, take_lease
 from dcpkit.engine.memory_tier import MemoryTier
@@ -31,7 +32,6 @@ from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.restore import HFCodec, restore
 from dcpkit.engine.save import Saver, check_config, check_replacement, collect, mesh_info
 from dcpkit.engine.states import ModelState, Stateful, check_same_on_every_rank, collect_states
-from dcpkit.engine.together import failure_of, raise_failure, retrying
 from dcpkit.layout import MODEL, RNG, step_name
 from dcpkit.storage import open_location, open_store
 
@@ -107,53 +107,35 @@ class CheckpointManager:
         when there is nothing to load and training starts fresh."""
         if not self.config.enable:
             return None
-        retry_s = self.config.storage_retry_s
-        plan = retrying(self._choose_step, retry_s, f"loading from {self.store.root}")
+        plan = load_plan.plan_everywhere(self.config, self.store, self.states)
         plan.raise_if_failed()
         if self._memory is not None and self.config.load_step == -1:
             step = self._memory.recover(plan.step)
             if step is not None:
                 start = time.perf_counter()
                 loaded = self._restore(self._memory.own, step_name(step), False, own_rank=True)
-                logger.info(
-                    f"checkpoint: loaded step {step} from the memory tier ({', '.join(loaded)}) "
-                    f"in {time.perf_counter() - start:.2f}s"
-                )
+                took, pieces = time.perf_counter() - start, ", ".join(loaded)
+                summary(logger, f"checkpoint: loaded step {step} from the memory tier ({pieces}) "
+                        f"in {took:.2f}s")  # fmt: skip
                 self.loaded_step = self._resumed_from = step
                 return step
         if plan.name is None:
-            logger.info("checkpoint: %s", plan.reason)
+            summary(logger, f"checkpoint: {plan.reason}")
             return None
         start = time.perf_counter()
         read: dict[str, Any] = {}  # what the load read by (its index)
         restore = functools.partial(self._restore, seen=read)
-        plan, loaded = retrying(
-            lambda: load_plan.restore_verified(plan, self.config, self.store, restore),
-            retry_s,
-            f"loading {plan.location}",
-        )
+        plan, loaded = load_plan.restore_verified(plan, self.config, self.store, restore)
         seconds, pieces = time.perf_counter() - start, ", ".join(loaded)
-        logger.info(
-            f"checkpoint: loaded {plan.location} ({plan.reason}; {pieces}) in {seconds:.2f}s"
+        summary(
+            logger,
+            f"checkpoint: loaded {plan.location} ({plan.reason}; {pieces}) in {seconds:.2f}s",
         )
         self.loaded_step = plan.step
         self._resumed_from = plan.step if plan.own and not plan.model_only else None
         if self._saver is not None and self._resumed_from is not None:  # its plans, for a save
             self._saver.resumed(read, plan.step)
         return plan.step
-
-    def _choose_step(self) -> Any:
-        """The load's plan: rank 0 chooses, every rank gets it (or the failure, together)."""
-        plan, failure = None, None
-        if self.rank == 0:
-            try:
-                plan = load_plan.plan_load(self.config, self.store, self.states)
-            except Exception as e:
-                failure = failure_of(e, self.store.root)
-        plan, failure = dist.broadcast_object((plan, failure))
-        if failure is not None:
-            raise_failure(*failure)
-        return plan
 
     def load_from(self, path: str | Path, model_only: bool = False) -> list[str]:
         """Load the checkpoint at ``path`` (a folder or a URL) into the current state, at any
@@ -237,18 +219,16 @@ class CheckpointManager:
             self._saver.save_async(state, info)
             self.last_saved_step = step
             seconds, mode = time.perf_counter() - start, self.config.async_mode
-            logger.info(f"checkpoint: step {step} staging ({mode}), written in the background; "
-                        f"{seconds:.3f}s in save()")  # fmt: skip
+            summary(logger, f"checkpoint: step {step} staging ({mode}), written in the background; "
+                    f"{seconds:.3f}s in save()")  # fmt: skip
             return True
         hf = self.hf_model if model_only and self.config.last_save_in_hf else None
         self._saver.save_sync(state, info, hf)
         self.last_saved_step = step
         what = f" (model only, {self.config.export_dtype})" if model_only else ""
         seconds, checksum_s = time.perf_counter() - start, self._saver.last_checksum_s
-        logger.info(
-            f"checkpoint: saved step {step}{what} to {self.step_path(step)} in {seconds:.2f}s "
-            f"(checksums {checksum_s:.3f}s)"
-        )
+        summary(logger, f"checkpoint: saved step {step}{what} to {self.step_path(step)} in "
+                f"{seconds:.2f}s (checksums {checksum_s:.3f}s)")  # fmt: skip
         return True
 
     @property

@@ -56,7 +56,7 @@ from dcpkit.dist import paused_gc
 from dcpkit.engine import chunk_layout, described, plan_seed
 from dcpkit.engine.described_write import StreamedMetadata, compact
 from dcpkit.engine.plan_seed import Seed
-from dcpkit.formats.structure import chunk_problems
+from dcpkit.formats.chunks import chunk_problems
 
 logger = logging.getLogger(__name__)
 

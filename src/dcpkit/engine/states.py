@@ -203,6 +203,14 @@ def collect_states(
     if lr_scheduler is not None:
         out[LR_SCHEDULER] = SchedulerState(lr_scheduler)
     if dataloader is not None:
+        if not isinstance(dataloader, Stateful):
+            raise TypeError(
+                f"dataloader= must have state_dict() and load_state_dict() so that a resume "
+                f"continues from the same batch; a {type(dataloader).__name__} has not (a plain "
+                "torch.utils.data.DataLoader keeps no position). Use torchdata's "
+                "StatefulDataLoader (torchdata.stateful_dataloader), or pass a sampler whose "
+                "state_dict() holds its position in states={'sampler': sampler}"
+            )
         out[DATALOADER] = dataloader
     given = [(n, o, False) for n, o in (states or {}).items()]
     given += [(n, o, True) for n, o in (per_rank_states or {}).items()]

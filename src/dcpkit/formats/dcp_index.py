@@ -242,7 +242,7 @@ class DcpIndex:
     ) -> None:
         """Each of ``regions`` (the whole tensor when None) covered by the chunks of ``rows``
         exactly once: no gap, no overlap."""
-        from dcpkit.formats.structure import chunk_problems
+        from dcpkit.formats.chunks import chunk_problems
 
         for off, sizes in regions if regions is not None else [([0] * len(shape), shape)]:
             boxes = []

@@ -6,10 +6,8 @@ from dcpkit.storage.base import (
     PendingStep,
     StepEntry,
     StoreError,
-    open_checkpoint,
-    open_location,
-    open_store,
 )
+from dcpkit.storage.opening import open_checkpoint, open_location, open_store
 
 __all__ = [
     "CheckpointStore",

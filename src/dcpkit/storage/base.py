@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -39,59 +38,9 @@ from dcpkit.manifest import CHECKSUM_ALGORITHM, Problem, checksum_stream, parse_
 
 logger = logging.getLogger(__name__)
 
-_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
-
 
 class StoreError(RuntimeError):
     """A store cannot be used; the message names the location and what to check."""
-
-
-def is_url(path: Any) -> bool:
-    """An fsspec URL other than ``file://`` (local paths keep dcpkit's rename-based publish)."""
-    text = str(path)
-    return bool(_URL.match(text)) and not text.startswith("file://")
-
-
-def open_store(
-    path_or_url: str | Path,
-    storage_options: dict[str, Any] | None = None,
-    base: str | Path | None = None,
-) -> Any:
-    """The store for a folder or a URL: the one place that tells local from remote. A relative
-    local path is taken relative to ``base`` when given."""
-    if is_url(path_or_url):
-        from dcpkit.storage.fsspec import FsspecStore
-
-        return FsspecStore(str(path_or_url), storage_options)
-    from dcpkit.storage.local import LocalStore
-
-    path = Path(str(path_or_url).removeprefix("file://"))
-    if base is not None and not path.is_absolute():
-        path = Path(base) / path
-    return LocalStore(path)
-
-
-def open_location(
-    path_or_url: str | Path, storage_options: dict[str, Any] | None = None
-) -> tuple[Any, str]:
-    """``(store of the parent, name)`` for one checkpoint, file or folder."""
-    text = str(path_or_url).rstrip("/") or "/"
-    if is_url(text):
-        parent, _, name = text.rpartition("/")
-        return open_store(parent, storage_options), name
-    path = Path(text.removeprefix("file://"))
-    return open_store(path.parent, storage_options), path.name
-
-
-@contextlib.contextmanager
-def open_checkpoint(
-    path_or_url: str | Path, storage_options: dict[str, Any] | None = None, data: bool = True
-) -> Iterator[CheckpointView]:
-    """A checkpoint (or file) as the format readers see it; ``data=False`` when no tensor data
-    will be read (a remote checkpoint then costs its metadata and its records' headers only)."""
-    store, name = open_location(path_or_url, storage_options)
-    with store.view(name, data=data) as view:
-        yield view
 
 
 def local_open(path: Path) -> BinaryIO:
