@@ -137,3 +137,16 @@ def test_the_site_renders_in_headless_chromium_with_every_page_in_its_navigation
         assert title in titles, (title, titles)
     heading = "dcpkit" if page == "" else "The library"
     assert f">{heading}" in dom
+
+
+def test_the_options_table_lists_every_option():
+    """docs/library.md's options table has a row for every ``CheckpointConfig`` field (the
+    README sends readers there for "every option")."""
+    import dataclasses
+
+    from dcpkit import CheckpointConfig
+
+    text = (ROOT / "docs" / "library.md").read_text()
+    rows = set(re.findall(r"^\| `([a-z_]+)` \|", text, re.M))
+    fields = {f.name for f in dataclasses.fields(CheckpointConfig) if f.init}
+    assert fields - rows == set(), sorted(fields - rows)

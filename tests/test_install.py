@@ -66,7 +66,7 @@ def test_the_readme_install_lines_work_as_written(wheel, tmp_path, pip):
     site = Path(
         subprocess.check_output(
             [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
-        ).strip()  # noqa: E501
+        ).strip()
     )
     (site / "_test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}

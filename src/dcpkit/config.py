@@ -69,8 +69,8 @@ class CheckpointConfig:
     """A run holds a lease on its folder, renewed every quarter of this; another run takes it
     over when its holder is gone (a dead pid on this host, or this long without a heartbeat)."""
     storage_retry_s: float = 120.0
-    """How long a save retries transient storage errors (no answer, a reset connection,
-    throttling), with backoff, before it fails naming the endpoint and the step."""
+    """How long a save or a load retries transient storage errors (no answer, a reset
+    connection, throttling), with backoff, before it fails naming the endpoint and the step."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Options for fsspec when ``folder`` is a URL (e.g. ``{endpoint_url = "...", key = ...}``)."""
     local_interval: int = 0
