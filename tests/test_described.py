@@ -145,7 +145,7 @@ def test_a_first_save_gathers_no_plans(tmp_path, nproc, mode, layout):
     ranks = _result(proc)
     # No global planning on any rank, at the first save or the second (cached).
     assert [r["plans"] for r in ranks] == [[0, 0]] * nproc
-    assert "the first save is planned from the layout every rank shares" in proc.stderr
+    assert "is planned from the layout every rank shares" in proc.stderr
     assert "no plans gathered but the per-rank states' (reader, rng)" in proc.stderr
     # DCP's own load reads both steps back bit for bit on every rank (per-rank state too).
     assert all(r["bitwise"] == [True, True] for r in ranks)

@@ -5,6 +5,7 @@ page in the navigation."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -150,3 +151,32 @@ def test_the_options_table_lists_every_option():
     rows = set(re.findall(r"^\| `([a-z_]+)` \|", text, re.M))
     fields = {f.name for f in dataclasses.fields(CheckpointConfig) if f.init}
     assert fields - rows == set(), sorted(fields - rows)
+
+
+@pytest.mark.dist
+def test_the_local_s3_page_runs_as_written(tmp_path):
+    """docs/s3-local.md's session, line by line (all but its install line, which
+    test_install.py covers; on a free port): SeaweedFS started, a bucket made, the trainer
+    saving to s3://, `dcpkit list` and `dcpkit verify` reading it in place, the server stopped."""
+    from conftest import free_port
+
+    text = (ROOT / "docs" / "s3-local.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block
+    lines = [x for x in block.group(1).splitlines() if not x.startswith("pip install")]
+    port = str(free_port())
+    script = "\n".join(lines).replace("8333", port) + "\n"  # each line's outcome is read below
+    env = torchrun_env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        env.pop(key, None)
+    try:
+        proc = subprocess.run(
+            ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+    finally:  # the page's `kill` asks the server to stop; it may take its time
+        subprocess.run(["pkill", "-9", "-f", f"s3.port={port}"], check=False)
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out and "error" not in out.lower(), out[-4000:]
+    assert "step-4" in out and "published" in out, out[-3000:]
+    assert "OK: s3://demo/run/checkpoint/step-4" in out, out[-3000:]

@@ -237,7 +237,7 @@ def test_torchtitan_trainer_resumes_bitwise_and_interchanges_with_its_own_manage
     assert stopped == {s: full[s] for s in range(1, 5)}
     # a fresh job: its first save gathered no plans but the per-dp-rank dataloader entries'
     # (TorchTitan's own checkpointer reads these checkpoints below: "theirs")
-    planned = "the first save is planned from the layout every rank shares"
+    planned = "is planned from the layout every rank shares"
     assert planned in first[0], first[0][-3000:]
     folder = mine / "outputs" / "torchtitan" / "checkpoint"
     assert (folder / "step-4" / "dcpkit.json").is_file()

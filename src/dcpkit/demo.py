@@ -181,7 +181,7 @@ def main() -> int:
 
     worst_moe = moe()
 
-    banner("9. the loss curves, overlaid, and a report of the resumed run")
+    banner("8. the loss curves, overlaid, and a report of the resumed run")
     names = [
         "uninterrupted (2 ranks)",
         "stopped at 10, resumed (2)",
@@ -204,7 +204,7 @@ def main() -> int:
 def moe() -> float:
     """A mixture-of-experts run with its experts sharded over 2 ranks, resumed on 1, exported."""
     ep2, ep1 = OUT / "moe_ep2", OUT / "moe_ep1"
-    banner("8. Qwen 3 MoE: 8 experts sharded over 2 ranks (EP 2), then resumed on 1 rank (EP 1)")
+    banner("7. Qwen 3 MoE: 8 experts sharded over 2 ranks (EP 2), then resumed on 1 rank (EP 1)")
     train(2, ep2, "--training.steps", "10", "--checkpoint.interval", "5", config=MOE_CONFIG)
     shutil.copytree(ep2 / "checkpoint" / "step-5", ep1 / "checkpoint" / "step-5")
     train(
