@@ -270,7 +270,8 @@ class CachingPlanner(DefaultSavePlanner):
             per_rank = ", ".join(agreed.per_rank) or "none"
             logger.info(
                 "checkpoint: the first save of these shapes is planned from the layout every "
-                "rank shares (%d DTensors, %d values): no plans gathered but the per-rank states' (%s)",
+                "rank shares (%d DTensors, %d values): no plans gathered but the per-rank "
+                "states' (%s)",
                 len(agreed.dtensors), len(agreed.shared), per_rank,
             )  # fmt: skip
         return agreed.sent
