@@ -42,6 +42,8 @@ def test_train_on_s3_and_resume_bitwise(s3, reference_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     proc = cli("diff", f"{url}/step-20", str(tmp_path / "hf"))
     assert proc.returncode == 0 and "57 identical" in proc.stdout
+    assert f"of {url}/step-20 are not compared" in proc.stdout, proc.stdout  # the URL it read
+    assert "dcpkit-remote-" not in proc.stdout  # never its local stand-in
     # Read from S3 in place, the tensors are the bytes of the local run's step 20.
     proc = cli("diff", f"{url}/step-20", str(reference_run / "checkpoint" / "step-20"))
     assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout

@@ -54,13 +54,15 @@ class _Mapped:
         adapter = get_adapter(family)
         config = source.config()
         if config is None:
-            raise ValueError(f"{source.path} has no config.json; cannot map it to {family} names")
+            raise ValueError(
+                f"{_where(source)} has no config.json; cannot map it to {family} names"
+            )
         args = adapter.args_from_hf_config(config)
         plan = adapter.plan_from_hf(
             {k: source.shape(k) for k in source.names()},
             args,
             adapter.flavor_name(args) or "custom",
-            str(source.path),
+            _where(source),
         )
         self.view = FromHF(source, plan)
         self.canonical = adapter.canonical
@@ -99,12 +101,19 @@ def diff_paths(
     ):
         for view in (va, vb):
             refuse_broken(view)
+        sa, sb = (open_source(v.path, v.opener, trust_pickle) for v in (va, vb))
+        sa.location, sb.location = va.location, vb.location  # a URL, not its local stand-in
         return _diff(
-            open_source(va.path, va.opener, trust_pickle),
-            open_source(vb.path, vb.opener, trust_pickle),
+            sa,
+            sb,
             family,
             budget,
         )
+
+
+def _where(source: Any) -> str:
+    """What to call ``source`` in messages: its path or URL as given."""
+    return str(getattr(source, "location", None) or source.path)
 
 
 def _diff(sa: Any, sb: Any, family: str | None, budget: int) -> DiffResult:
@@ -124,7 +133,7 @@ def _diff(sa: Any, sb: Any, family: str | None, budget: int) -> DiffResult:
             if skipped:
                 result.notes.append(
                     f"{skipped} non-model tensors (optimizer, ...) of "
-                    f"{other.path} are not compared with a Hugging Face folder"
+                    f"{_where(other)} are not compared with a Hugging Face folder"
                 )
             # Compare in canonical TorchTitan spelling (either TorchTitan dialect matches).
             canon = {mapped.canonical(n): n for n in keep}
