@@ -75,14 +75,18 @@ def verify_checkpoint(
             except UnsafeCheckpoint as e:
                 index = None
                 report.problems.append(Problem(METADATA_INDEX, str(e)))
+            # a remote load leaves records' headers to its reader (no request per record)
+            headers = share is None or store.local_dir(name) is not None
             if index is not None and share is not None:
-                report.problems += index_problems(view.path, index, *share, opener=view.opener)
+                report.problems += index_problems(
+                    view.path, index, *share, opener=view.opener, headers=headers
+                )
                 report.index = None if lean else index  # a remote view's is gone with the view
             elif lean:  # no index to check by after all: .metadata is needed
                 with store.view(name, data=False) as full:
-                    _structure(full.path, report, index, full.opener)
+                    _structure(full.path, report, index, full.opener, headers)
             else:
-                _structure(view.path, report, index, view.opener)
+                _structure(view.path, report, index, view.opener, headers)
         elif kind == HF:
             folder = name if view.path.is_dir() else ""
             _check_manifest(store, folder, report, checksums, checksum_files)
@@ -110,11 +114,13 @@ def verify_checkpoint(
     return report
 
 
-def _structure(folder: Any, report: VerifyReport, index: Any, opener: Any) -> None:
+def _structure(
+    folder: Any, report: VerifyReport, index: Any, opener: Any, headers: bool = True
+) -> None:
     """The structure of the DCP checkpoint in ``folder`` from its ``.metadata`` (kept in
     ``report`` for a load to read by; ``opener`` reads its records), and its index compared with
     it entry by entry."""
-    problems, report.metadata = dcp_problems(folder, opener)
+    problems, report.metadata = dcp_problems(folder, opener, headers)
     report.problems += problems
     damaged = any(p.file == METADATA for p in report.problems)
     if index is not None and report.metadata is not None and not damaged:

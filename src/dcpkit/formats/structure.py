@@ -19,11 +19,14 @@ from dcpkit.manifest import Problem
 from dcpkit.safe_pickle import UnsafeCheckpoint
 
 
-def dcp_problems(folder: Path, opener: Any = None) -> tuple[list[Problem], Any]:
+def dcp_problems(
+    folder: Path, opener: Any = None, headers: bool = True
+) -> tuple[list[Problem], Any]:
     """The structure's problems, and the ``Metadata`` parsed to find them (None when it could
     not be parsed), for a load that follows to read by instead of parsing it again.
     ``opener``: opens the data files (``CheckpointView.opener``; local files by default), whose
-    records' headers are checked against ``.metadata`` as every reader checks them."""
+    records' headers are checked against ``.metadata`` as every reader checks them (unless not
+    ``headers``: left to a reader that checks each as it reads it)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     from dcpkit.dist import paused_gc
@@ -38,7 +41,7 @@ def dcp_problems(folder: Path, opener: Any = None) -> tuple[list[Problem], Any]:
         problems += metadata_problems(md)
         sizes = _file_sizes(folder)
         stored = md.storage_data or {}
-        with RecordChecks(folder, sizes, opener) as records, paused_gc():
+        with RecordChecks(folder, sizes, opener, headers) as records, paused_gc():
             for fqn, tmd in md.state_dict_metadata.items():
                 if not isinstance(tmd, TensorStorageMetadata):
                     entries = [(stored.get(MetadataIndex(fqn, None)), None)]
@@ -85,8 +88,10 @@ class RecordChecks:
     """The rules of ``formats.rules`` applied to storage entries of the checkpoint in ``folder``
     (``sizes``: its files' sizes), each file opened once through ``opener``."""
 
-    def __init__(self, folder: Path, sizes: dict[str, int], opener: Any = None) -> None:
-        self.folder, self.sizes = folder, sizes
+    def __init__(
+        self, folder: Path, sizes: dict[str, int], opener: Any = None, headers: bool = True
+    ) -> None:
+        self.folder, self.sizes, self.headers = folder, sizes, headers
         self.opener = opener or open_local
         self.files: dict[str, Any] = {}
 
@@ -113,8 +118,8 @@ class RecordChecks:
         problem = storage_entry_problem(fqn, offset, length, self.sizes.get(name))
         if problem is not None:
             return [Problem(name, problem)]
-        if sizes is None or transformed:  # a value (parsed when read), or compressed bytes
-            return []
+        if sizes is None or transformed or not self.headers:  # a value (parsed when read),
+            return []  # compressed bytes, or a reader that checks each header as it reads
         try:
             f = self.files.get(name)
             if f is None:
@@ -126,14 +131,21 @@ class RecordChecks:
 
 
 def index_problems(
-    folder: Path, index: DcpIndex, rank: int = 0, world: int = 1, opener: Any = None
+    folder: Path,
+    index: DcpIndex,
+    rank: int = 0,
+    world: int = 1,
+    opener: Any = None,
+    headers: bool = True,
 ) -> list[Problem]:
     """What ``dcp_problems`` checks, read from the index of ``.metadata`` instead, for the keys
     ``rank`` checks of ``world`` (each key by one rank): a load's ranks share the checks, and
-    none parses the whole ``.metadata``. ``opener``: as for ``dcp_problems``."""
+    none parses the whole ``.metadata``. ``opener``: as for ``dcp_problems``; without
+    ``headers`` the records' headers are left to the reader, which checks each by the same rule
+    as it reads it (a remote load: no request per record before the reads)."""
     problems: list[Problem] = []
     sizes = _file_sizes(folder)
-    with index.mapped(), RecordChecks(folder, sizes, opener) as records:
+    with index.mapped(), RecordChecks(folder, sizes, opener, headers) as records:
         for fqn in list(index.keys())[rank::world]:
             e = index.entries[fqn]
             try:
