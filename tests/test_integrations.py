@@ -114,6 +114,66 @@ def test_accelerate_refuses_a_dataloader_whose_position_would_be_lost(stateful, 
     assert not (tmp_path / "checkpoint").exists()  # refused before anything was written
 
 
+def _epochs_run(folder: Path, *args: str, env: dict[str, str] | None = None, ok: bool = True):
+    """``tests/scripts/accelerate_epochs.py``'s lines by (rank, step): (loss, mine, shared)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(ROOT / "tests" / "scripts" / "accelerate_epochs.py"), str(folder), *args],
+        env=torchrun_env(env), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = re.findall(
+        r"^rank (\d) step (\d+) loss (\S+) mine (\d+) shared (\d+)", proc.stdout, re.M
+    )
+    return {(int(r), int(s)): (loss, int(m), int(c)) for r, s, loss, m, c in found}
+
+
+def test_accelerate_resumes_exactly_in_every_epoch(tmp_path):
+    """A user's Accelerate loop (seedable sampler, stateful dataloader, 2 micro-batches per
+    step, 6 batches per epoch) stopped in its 1st epoch (step 4), in its 2nd (step 10), killed
+    in the middle of a save in its 3rd (step 16, step 14 published) and run to the end: every
+    later loss on both ranks is the uninterrupted run's, bit for bit; so are a per-rank state
+    (``per_rank_states=``) and an object given to ``register_for_checkpointing``. Accelerate's
+    dataloader sets its sampler's epoch from its own count of epochs, which dcpkit keeps."""
+    full = _epochs_run(tmp_path / "full")
+    assert sorted({s for _, s in full}) == list(range(1, 23))
+    folder = tmp_path / "stopped"
+    seen = _epochs_run(folder, "4")
+    seen.update(_epochs_run(folder, "10"))
+    killed = _epochs_run(folder, env={"DCPKIT_FAILPOINT": "mid_write:16"}, ok=False)
+    assert max(s for _, s in killed) >= 16  # the save is asynchronous: training goes on
+    assert max(int(p.name[5:]) for p in (folder / "checkpoint").glob("step-*")) == 14
+    seen.update(killed)
+    rest = _epochs_run(folder)
+    assert min(s for _, s in rest) == 15 and max(s for _, s in rest) == 22
+    seen.update(rest)
+    for key, value in full.items():
+        assert seen[key] == value, (key, seen[key], value)
+
+
+def test_accelerate_refuses_a_save_inside_an_accumulated_step_and_a_late_registration(tmp_path):
+    from accelerate import Accelerator
+
+    from dcpkit.integrations.accelerate import AcceleratorCheckpoint
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    ckpt = AcceleratorCheckpoint(accelerator, tmp_path, model)
+    try:
+        with accelerator.accumulate(model):  # the first of 2 micro-batches
+            model(torch.ones(1, 2)).sum().backward()
+        assert not accelerator.sync_gradients
+        with pytest.raises(ValueError, match="inside an accumulated step"):
+            ckpt.save_state(1, force=True)
+        model.zero_grad()
+        accelerator.register_for_checkpointing(torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(ValueError, match=r"SGD was given to accelerator\.register_for_check"):
+            ckpt.save_state(2, force=True)
+        assert not list((tmp_path / "checkpoint").glob("step-*"))
+    finally:
+        ckpt.close()
+
+
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
 def lightning_full(request, tmp_path_factory):
     """An uninterrupted run of the Lightning example (DDP, or FSDP2 under dcpkit's

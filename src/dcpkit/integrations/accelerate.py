@@ -48,8 +48,10 @@ def _inner(obj: Any, attribute: str) -> Any:
 
 class _DataloaderState:
     """An Accelerate dataloader's position: its stateful dataloader's state (batches yielded
-    this epoch) and, for Accelerate's seedable sampler, the sampler's epoch and seed, from
-    which the epoch's order follows (what ``save_state`` keeps in ``sampler.bin``, a pickle).
+    this epoch), its count of epochs begun (``iteration``, from which each new iterator sets
+    the sampler's epoch: ``save_state`` does not keep it) and, for Accelerate's seedable
+    sampler, the sampler's epoch and seed, from which the epoch's order follows (what
+    ``save_state`` keeps in ``sampler.bin``, a pickle).
 
     Every new iterator of a ``DataLoader`` draws a seed (its workers') from the loader's
     ``generator``, or from torch's global RNG when it has none. A resumed run creates one
@@ -82,6 +84,8 @@ class _DataloaderState:
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"loader": self.dataloader.state_dict()}
+        if isinstance(getattr(self.dataloader, "iteration", None), int):
+            state["iteration"] = int(self.dataloader.iteration)
         generator = getattr(self.loader, "generator", None)
         if generator is not None:
             state["generator"] = generator.get_state()
@@ -92,6 +96,11 @@ class _DataloaderState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataloader.load_state_dict(state["loader"])
+        if "iteration" in state and hasattr(self.dataloader, "iteration"):
+            # Each new iterator of Accelerate's dataloader sets its sampler's epoch from its
+            # own count of epochs, overriding the sampler's: without it a run stopped in its
+            # second epoch resumes in the order of its first.
+            self.dataloader.iteration = int(state["iteration"])
         generator = getattr(self.loader, "generator", None)
         if generator is not None and "generator" in state:
             generator.set_state(state["generator"])
@@ -105,6 +114,12 @@ class _DataloaderState:
             self.sampler.initial_seed = int(state["sampler_seed"])
 
 
+def _registered(accelerator: Any) -> list[Any]:
+    """The objects given to ``accelerator.register_for_checkpointing``, which ``save_state``
+    keeps (Accelerate holds them in ``_custom_objects``)."""
+    return list(getattr(accelerator, "_custom_objects", None) or [])
+
+
 class AcceleratorCheckpoint:
     """Checkpoints of an Accelerate training loop, written and restored by dcpkit.
 
@@ -112,6 +127,11 @@ class AcceleratorCheckpoint:
     saving every step it is asked to (``interval=1``) with the full state at the last step too.
     ``hf_model`` (``dcpkit.HFModel("hf", model.config)`` for a ``transformers`` model) records
     the model's config, so that ``dcpkit to-hf`` exports a checkpoint without being told it.
+    ``states``: more objects with ``state_dict``/``load_state_dict``, equal on every process;
+    ``per_rank_states``: those that differ by process (each restored on its own rank; a resume
+    at another world size refuses them). Objects given to
+    ``accelerator.register_for_checkpointing`` before this is created are kept as ``states``
+    (as ``save_state`` keeps them); one registered later is refused at the next save.
     """
 
     def __init__(
@@ -125,11 +145,17 @@ class AcceleratorCheckpoint:
         config: CheckpointConfig | None = None,
         states: dict[str, Any] | None = None,
         hf_model: Any = None,
+        per_rank_states: dict[str, Any] | None = None,
     ) -> None:
         self.accelerator = accelerator
         if config is None:
             config = CheckpointConfig(enable=True, interval=1, last_save_model_only=False)
         named = {"accelerator": _AcceleratorStep(accelerator), **(states or {})}
+        given = {id(s) for s in [*named.values(), *(per_rank_states or {}).values()]}
+        self._registered = list(_registered(accelerator))
+        for i, obj in enumerate(self._registered):
+            if id(obj) not in given:  # as save_state keeps it: one copy, restored everywhere
+                named[f"registered_{i}"] = obj
         self.manager = CheckpointManager(
             config,
             base_folder,
@@ -139,12 +165,39 @@ class AcceleratorCheckpoint:
             _DataloaderState(dataloader) if dataloader is not None else None,
             states=named,
             hf_model=hf_model,
+            per_rank_states=per_rank_states,
         )
 
     def save_state(self, step: int, last_step: bool = False, force: bool = False) -> bool:
         """``accelerator.save_state()``'s place: saves at ``step`` when ``config.interval``
         says so, at the last step, or when forced. Returns whether it saved."""
+        if self.manager.should_save(step, last_step, force):
+            self._check_accumulation(step)
+        kept = {id(o) for o in self._registered}
+        late = [o for o in _registered(self.accelerator) if id(o) not in kept]
+        if late:
+            names = ", ".join(type(o).__name__ for o in late)
+            raise ValueError(
+                f"{names} was given to accelerator.register_for_checkpointing after the "
+                "AcceleratorCheckpoint was created, so it would not be saved: register it "
+                "before, or pass it in states= (per_rank_states= when it differs by process)"
+            )
         return self.manager.save(step, last_step=last_step, force=force)
+
+    def _check_accumulation(self, step: int) -> None:
+        """A save between two micro-batches of one accumulated step would lose the gradients
+        accumulated so far (neither dcpkit nor ``save_state`` keeps gradients)."""
+        acc = self.accelerator
+        if getattr(acc, "gradient_accumulation_steps", 1) <= 1 or acc.sync_gradients:
+            return
+        params = (p for part in self.manager.model.parts for p in part.parameters())
+        if any(p.grad is not None for p in params):
+            raise ValueError(
+                f"step {step} is inside an accumulated step (accelerator.sync_gradients is "
+                f"False, {acc.gradient_accumulation_steps} micro-batches per step): its "
+                "accumulated gradients would be lost. Save at steps where the optimizer steps "
+                "(a multiple of gradient_accumulation_steps), after optimizer.zero_grad()"
+            )
 
     def load_state(self) -> int | None:
         """``accelerator.load_state()``'s place: restores the latest published checkpoint (or
