@@ -84,9 +84,9 @@ def verify_checkpoint(
                 report.index = None if lean else index  # a remote view's is gone with the view
             elif lean:  # no index to check by after all: .metadata is needed
                 with store.view(name, data=False) as full:
-                    _structure(full.path, report, index, full.opener, headers)
+                    _structure(full.path, report, index, full.opener, headers, share is None)
             else:
-                _structure(view.path, report, index, view.opener, headers)
+                _structure(view.path, report, index, view.opener, headers, share is None)
         elif kind == HF:
             folder = name if view.path.is_dir() else ""
             _check_manifest(store, folder, report, checksums, checksum_files)
@@ -115,12 +115,18 @@ def verify_checkpoint(
 
 
 def _structure(
-    folder: Any, report: VerifyReport, index: Any, opener: Any, headers: bool = True
+    folder: Any,
+    report: VerifyReport,
+    index: Any,
+    opener: Any,
+    headers: bool = True,
+    bounded: bool = False,
 ) -> None:
     """The structure of the DCP checkpoint in ``folder`` from its ``.metadata`` (kept in
     ``report`` for a load to read by; ``opener`` reads its records), and its index compared with
-    it entry by entry."""
-    problems, report.metadata = dcp_problems(folder, opener, headers)
+    it entry by entry. ``bounded``: a verdict alone (no load follows), ``.metadata`` read into
+    arrays, one tensor's objects at a time."""
+    problems, report.metadata = dcp_problems(folder, opener, headers, bounded)
     report.problems += problems
     damaged = any(p.file == METADATA for p in report.problems)
     if index is not None and report.metadata is not None and not damaged:

@@ -12,7 +12,7 @@ import dataclasses
 import io
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from dcpkit.dist import quiet_single_process, records_without_crc32
 from dcpkit.errors import CorruptCheckpoint, first_failure, out_of_space
 from dcpkit.formats import blocks
+from dcpkit.formats.metadata_arrays import ArrayMetadata, read_bounded
 from dcpkit.formats.rules import check_record, storage_entry_problem
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.layout import MANIFEST, METADATA, MODEL, is_model_key
@@ -54,7 +55,12 @@ class NotACheckpoint(ValueError):
 class DCPCheckpoint:
     """Read access to one DCP checkpoint folder (``.metadata`` + ``*.distcp``)."""
 
-    def __init__(self, path: str | Path, opener: Opener | None = None) -> None:
+    def __init__(
+        self, path: str | Path, opener: Opener | None = None, bounded: bool = False
+    ) -> None:
+        """``bounded``: ``.metadata`` read into arrays (``formats.metadata_arrays``), each
+        tensor's entry built when asked: for tools that look at a checkpoint without loading
+        it, in memory a small multiple of its chunks' integers."""
         self.path = Path(path)
         self._open = opener or open_local
         if not self.path.exists():
@@ -70,12 +76,17 @@ class DCPCheckpoint:
             )
         try:
             with open(self.path / METADATA, "rb") as f:
-                self.metadata = load_metadata(f, str(self.path / METADATA))
+                read = read_bounded if bounded else load_metadata
+                self.metadata = read(f, str(self.path / METADATA))
         except UnsafeCheckpoint as e:
             raise NotACheckpoint(str(e)) from None
-        self.tensors: dict[str, TensorStorageMetadata] = {}
+        self.tensors: Mapping[str, TensorStorageMetadata] = {}
         self.objects: list[str] = []
-        for fqn, md in self.metadata.state_dict_metadata.items():
+        arrays = isinstance(self.metadata, ArrayMetadata)
+        if arrays:
+            self.tensors = self.metadata.state_dict_metadata.tensors()
+            self.objects = self.metadata.state_dict_metadata.objects()
+        for fqn, md in {} if arrays else self.metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 self.tensors[fqn] = md
             elif isinstance(md, BytesStorageMetadata):

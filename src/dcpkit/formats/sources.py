@@ -80,13 +80,16 @@ def detect_kind(path: Path) -> str:
     return TORCH
 
 
-def open_source(path: str | Path, opener: Any = None, trust_pickle: bool = False) -> Any:
+def open_source(
+    path: str | Path, opener: Any = None, trust_pickle: bool = False, bounded: bool = False
+) -> Any:
     """Open ``path`` as a ``TensorSource`` of the right kind (``opener``: how its files' bytes
-    are read, for a metadata-only copy of a remote checkpoint)."""
+    are read, for a metadata-only copy of a remote checkpoint; ``bounded``: a DCP checkpoint's
+    ``.metadata`` read into arrays, for a look at it)."""
     p = Path(path)
     kind = detect_kind(p)
     if kind == DCP:
-        return DCPSource(p, opener)
+        return DCPSource(p, opener, bounded)
     if kind == HF:
         return HFSource(p, opener)
     try:

@@ -20,20 +20,21 @@ from dcpkit.safe_pickle import UnsafeCheckpoint
 
 
 def dcp_problems(
-    folder: Path, opener: Any = None, headers: bool = True
+    folder: Path, opener: Any = None, headers: bool = True, bounded: bool = False
 ) -> tuple[list[Problem], Any]:
     """The structure's problems, and the ``Metadata`` parsed to find them (None when it could
     not be parsed), for a load that follows to read by instead of parsing it again.
     ``opener``: opens the data files (``CheckpointView.opener``; local files by default), whose
     records' headers are checked against ``.metadata`` as every reader checks them (unless not
-    ``headers``: left to a reader that checks each as it reads it)."""
+    ``headers``: left to a reader that checks each as it reads it). ``bounded``: ``.metadata``
+    read into arrays (``formats.metadata_arrays``), for a verdict that keeps nothing of it."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     from dcpkit.dist import paused_gc
 
     problems: list[Problem] = []
     try:
-        ckpt = DCPCheckpoint(folder)
+        ckpt = DCPCheckpoint(folder, bounded=bounded)
     except NotACheckpoint as e:
         return [Problem(METADATA, str(e))], None
     with ckpt:
@@ -73,7 +74,7 @@ def refuse_broken(view: Any) -> None:
 
     if detect_kind(view.path) != DCP:
         return
-    problems, _ = dcp_problems(view.path, view.opener)
+    problems, _ = dcp_problems(view.path, view.opener, bounded=True)
     if problems:
         more = len(problems) - 1
         tail = f" (and {more} more: `dcpkit verify` lists them)" if more else ""

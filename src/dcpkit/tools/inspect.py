@@ -50,7 +50,7 @@ def inspect_path(
 
 
 def _describe(store: Any, entry: str, p: Path, location: str, trust_pickle: bool) -> dict[str, Any]:
-    source = open_source(p, trust_pickle=trust_pickle)
+    source = open_source(p, trust_pickle=trust_pickle, bounded=True)
     try:
         tensors = []
         for name in source.names():
