@@ -227,7 +227,7 @@ def _rss(field: str) -> int:
     return 0
 
 
-def described_cell(flavor: str, world: int, metadata: bool) -> dict:  # type: ignore[type-arg]
+def described_cell(flavor: str, world: int, metadata: bool, verify: bool = True) -> dict:  # type: ignore[type-arg]
     """One (model, world size), a job's first save planned from the layout the ranks share
     (``dcpkit.engine.described``). The coordinator (rank 0) describes its own plan (and checks
     the chunk formula against it), reduces the digests (the all-reduce, standing in: the least
@@ -235,7 +235,8 @@ def described_cell(flavor: str, world: int, metadata: bool) -> dict:  # type: ig
     only, as every rank's do), takes its share, then plans the one thing gathered: every rank's
     per-rank state (its dataloader entry). That is the save's blocking part: the writes start
     after it. Then, while the ranks write (``metadata``), the coordinator lists every chunk from
-    the layouts and pickles ``.metadata`` with a storage entry per chunk."""
+    the layouts and pickles ``.metadata`` with a storage entry per chunk; with ``verify``,
+    ``dcpkit verify``'s reading and checks of that file follow (``_verify_side``)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
@@ -287,7 +288,7 @@ def described_cell(flavor: str, world: int, metadata: bool) -> dict:  # type: ig
         "described_plans": planning.described_plans(key),
     }
     if metadata:
-        row.update(_streamed_metadata(md, agreed, world))
+        row.update(_streamed_metadata(md, agreed, world, verify))
     return row
 
 
@@ -300,7 +301,7 @@ def _reset_peak() -> None:
         pass
 
 
-def _streamed_metadata(md, agreed, world: int) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _streamed_metadata(md, agreed, world: int, verify: bool) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """The described save's finish on its coordinator: every rank's write results (rows of
     integers, each chunk with one owner), received as the gather brings them (pickled, one per
     rank), then ``.metadata`` and its index written one tensor at a time (``write_streamed``,
@@ -379,6 +380,12 @@ def _streamed_metadata(md, agreed, world: int) -> dict:  # type: ignore[no-untyp
         index = md.encode_index(out.n, hasher.hexdigest())
         write_s = time.perf_counter() - t0
         peak = _rss("VmHWM") - base
+        files = {f"__{r}_0.distcp": int(bounds[r + 1] - bounds[r]) * 4096 for r in range(world)}
+        verified = (
+            _verify_side(Path(tmp), index, files, baseline=bounds[-1] <= 2_000_000)
+            if verify
+            else {}
+        )
         checked = None
         if bounds[-1] <= 2_000_000:  # read back as a load reads it: every chunk, checked
             from dcpkit.formats.structure import metadata_problems
@@ -402,7 +409,70 @@ def _streamed_metadata(md, agreed, world: int) -> dict:  # type: ignore[no-untyp
             "described_chunks": int(bounds[-1]),
             "described_chunks_read_back": checked,
             "described_peak_bytes": peak,
+            **verified,
         }
+
+
+def _verify_side(folder: Path, index: bytes, files: dict[str, int], baseline: bool) -> dict:  # type: ignore[type-arg]
+    """``dcpkit verify``'s reading of that ``.metadata`` (in arrays: ``formats.metadata_arrays``)
+    and its checks: every tensor's chunks in bounds, tiling it, not overlapping; every chunk's
+    storage entry inside its data file (each file here as long as the writes' results say, its
+    bytes a hole); the index compared with ``.metadata`` entry by entry. Not the records'
+    headers nor the checksums, which need the data (810 GB at 405B). In a process of its own:
+    its time and peak memory, beside the file's size; with ``baseline``, the same checks on the
+    ``Metadata`` DCP's unpickler builds (what every verdict read before, and what a load reads
+    without an index), in another."""
+    (folder / ".metadata.index").write_bytes(index)
+    for name, size in files.items():
+        with open(folder / name, "wb") as f:
+            f.truncate(max(size, 64))
+    code = (
+        "import json, sys, time\n"
+        "from pathlib import Path\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from planning_scale import _rss\n"
+        "from dcpkit.formats.dcp_index import DcpIndex\n"
+        "from dcpkit.formats.structure import dcp_problems, index_mismatches\n"
+        "folder = Path(sys.argv[1])\n"
+        "t0 = time.perf_counter()\n"
+        "bounded = sys.argv[3] == '1'\n"
+        "problems, md = dcp_problems(folder, headers=False, bounded=bounded)\n"
+        "read = md.chunks_read if bounded else None\n"
+        "problems += index_mismatches(md, DcpIndex(folder / '.metadata.index'))\n"
+        "s = time.perf_counter() - t0\n"
+        "print(json.dumps({'verify_s': s, 'verify_peak_bytes': _rss('VmHWM'), "
+        "'verify_arrays_bytes': md.nbytes() if bounded else None, 'verify_chunks': read, "
+        "'verify_problems': [str(p) for p in problems[:3]]}))\n"
+    )
+
+    here = Path(__file__).parent
+
+    def run(bounded: bool) -> dict:  # type: ignore[type-arg]
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(folder), str(here), str(int(bounded))],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"verify's checks failed: {proc.stderr[-2000:]}")
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert not out.pop("verify_problems"), out
+        return out  # type: ignore[no-any-return]
+
+    out = run(True)
+    if baseline:
+        whole = run(False)
+        out["verify_whole_s"], out["verify_whole_peak_bytes"] = (
+            whole["verify_s"],
+            whole["verify_peak_bytes"],
+        )
+    baseline = subprocess.run(  # the same process, without reading anything: its start's share
+        [sys.executable, "-c", "import dcpkit.formats.structure, sys; sys.path.insert(0, "
+         f"{str(Path(__file__).parent)!r}); from planning_scale import _rss; print(_rss('VmHWM'))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    out["verify_start_bytes"] = int(baseline.stdout.strip())
+    return out
 
 
 def cell(flavor: str, world: int, stock: bool) -> dict:
@@ -719,6 +789,12 @@ def main() -> int:
         default=1.5e8,
         help="largest cell whose described save writes its .metadata here (default: all)",
     )
+    parser.add_argument(
+        "--verify-min-world",
+        type=int,
+        default=128,
+        help="smallest world size whose described .metadata `dcpkit verify` reads and checks",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path, help="plot (default: next to --json)")
     parser.add_argument("--_cell", help=argparse.SUPPRESS)
@@ -726,7 +802,7 @@ def main() -> int:
     if opts._cell:
         flavor, world, stock, *kind = opts._cell.split(":")
         if kind:
-            out = described_cell(flavor, int(world), stock == "1")
+            out = described_cell(flavor, int(world), stock == "1", kind[0] == "described-verify")
         else:
             out = cell(flavor, int(world), stock == "1")
         print("RESULT " + json.dumps(out), flush=True)
@@ -785,7 +861,8 @@ def main() -> int:
     for m in models:  # a job's first save planned from the layout: measured at every size
         for w in worlds:
             full = items_per_rank(m) * w <= opts.described_max_items
-            d = _run_cell(f"{m}:{w}:{int(full)}:described", f"{m} at {w} ranks (described)")
+            kind = "described-verify" if full and w >= opts.verify_min_world else "described"
+            d = _run_cell(f"{m}:{w}:{int(full)}:{kind}", f"{m} at {w} ranks (described)")
             if d is None:
                 return 1
             row = next((r for r in rows if r["model"] == m and r["world"] == w), None)
@@ -800,6 +877,12 @@ def main() -> int:
                 if "described_metadata_s" in d
                 else ""
             )
+            if "verify_s" in d:
+                meta += (
+                    f"; verify's reading and checks {d['verify_s']:.1f} s, peak "
+                    f"{d['verify_peak_bytes'] / 2**30:.2f} GiB (arrays "
+                    f"{d['verify_arrays_bytes'] / 2**30:.2f} GiB)"
+                )
             print(
                 f"  {m:>4} {w:>5} ranks, first save planned from the layout: blocking "
                 f"{d['described_blocking_s']:.3f} s (global plannings "
