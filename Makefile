@@ -29,9 +29,11 @@ docs: $(STAMP)
 
 # Headless Chromium renders the docs site and the run report in the tests: installed from
 # Debian's packages when missing and allowed (root); otherwise those tests say they were skipped.
+# The browser and a font only: a headless render needs none of the desktop it recommends.
 chromium:
 	@command -v chromium >/dev/null || { test "$$(id -u)" = 0 && apt-get update -qq >/dev/null \
-		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		chromium fonts-liberation >/dev/null; } \
 		|| echo "note: no Chromium (not root): the rendering tests will be skipped" >&2
 
 fuzz: $(STAMP)
