@@ -54,12 +54,14 @@ def _describe(store: Any, entry: str, p: Path, location: str, trust_pickle: bool
     try:
         tensors = []
         for name in source.names():
-            dtype = source.dtype(name)
-            shape = list(source.shape(name))
+            if source.kind == DCP:  # its entry built once (from arrays at scale)
+                tmd = source.tensors[name]
+                dtype, shape, shards = tmd.properties.dtype, list(tmd.size), len(tmd.chunks)
+            else:
+                dtype, shape, shards = source.dtype(name), list(source.shape(name)), 1
             n = dtype.itemsize
             for s in shape:
                 n *= s
-            shards = len(source.tensors[name].chunks) if source.kind == DCP else 1
             tensors.append(
                 {
                     "name": name,
@@ -71,8 +73,10 @@ def _describe(store: Any, entry: str, p: Path, location: str, trust_pickle: bool
                 }
             )
         objects = list(source.objects) if source.kind == DCP else []
+        kind = source.kind
     finally:
         source.close()
+    del source  # its metadata (GiBs of arrays at scale) before the checks below read it again
     groups: dict[str, dict[str, int]] = {}
     for t in tensors:
         g = groups.setdefault(t["group"], {"tensors": 0, "bytes": 0})
@@ -102,7 +106,7 @@ def _describe(store: Any, entry: str, p: Path, location: str, trust_pickle: bool
     report = verify_checkpoint(store, entry, checksums=False)
     return {
         "path": location,
-        "format": source.kind,
+        "format": kind,
         "step": step,
         "world_size": world,
         "published": report.ok and store.is_published(entry),
