@@ -219,6 +219,42 @@ def test_lightning_checkpoint_verifies_and_exports_the_trained_model(lightning_f
     assert torch.equal(logits_of(tmp_path / "hf", tokens), logits_of(out / "final", tokens))
 
 
+@pytest.mark.parametrize(
+    "point,how",
+    [
+        ("before_publish", "swap"),
+        ("mid_publish", "swap"),
+        ("after_publish", "swap"),
+        ("mid_publish", "renames"),  # before and after it, the same steps as a swap's
+    ],
+)
+def test_a_rewrite_of_last_ckpt_killed_at_any_step_leaves_a_checkpoint_there(tmp_path, point, how):
+    """``last.ckpt`` rewritten (global step 2 over 1) and the process SIGKILLed before, in the
+    middle of and after the publish: a checkpoint is at ``last.ckpt`` for Lightning's listing
+    to find (with the exchange of two folders: at every moment), and loads whole, step 1 or 2.
+    With two renames instead (a file system without the exchange) the kill between them leaves
+    no ``last.ckpt``, and dcpkit's next look at that path finishes the publish."""
+    from dcpkit.integrations.lightning import DcpCheckpointIO
+
+    script = ROOT / "tests" / "scripts" / "lightning_rewrite.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), how],
+        env=torchrun_env({"DCPKIT_FAILPOINT": f"{point}:2"}), capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == -9 and "saved 1" in proc.stdout, proc.stderr[-2000:]
+    last = tmp_path / "last.ckpt"
+    torn = how == "renames" and point == "mid_publish"
+    assert last.is_dir() != torn, sorted(p.name for p in tmp_path.iterdir())
+    back = DcpCheckpointIO().load_checkpoint(last)  # verified first
+    want = 1 if point == "before_publish" else 2
+    assert back["global_step"] == want
+    assert torch.equal(back["state_dict"]["w"], torch.full((4, 4), float(want)))
+    assert cli("verify", str(last)).returncode == 0
+    run = subprocess.run([sys.executable, str(script), str(tmp_path), how], env=torchrun_env())
+    assert run.returncode == 0 and DcpCheckpointIO().load_checkpoint(last)["global_step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # nothing left beside
+
+
 def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
     """In one process: what Lightning hands the plugin comes back equal (integer keys stay
     integers); a damaged file is refused naming it; a parameter outside the prefix is refused."""

@@ -13,7 +13,14 @@ import os
 import signal
 
 ENV = "DCPKIT_FAILPOINT"
-POINTS = ("mid_write", "after_write", "before_publish", "after_publish", "local_write")
+POINTS = (
+    "mid_write",
+    "after_write",
+    "before_publish",
+    "mid_publish",  # a rewrite of an existing name, between its steps (storage/local.py)
+    "after_publish",
+    "local_write",
+)
 
 
 def hit(name: str, step: int, rank: int, pid: int | None = None) -> None:

@@ -4,11 +4,20 @@ A write goes into ``.tmp-NAME``; when it is complete (DCP ``.metadata`` or a Hug
 and the manifest) one rename makes it ``NAME``, after an fsync of its files' folder. Discovery
 only ever sees ``step-N`` folders, so a crash at any moment leaves either the previous
 checkpoint as "latest" or the new one, complete. A deletion renames to ``.old-NAME`` first.
+
+A write to a name that exists (Lightning's ``last.ckpt``, rewritten at every save) swaps the two
+folders in one ``renameat2(RENAME_EXCHANGE)``, then removes the old one from ``.tmp-NAME``: at
+every moment one complete checkpoint is at ``NAME``. Where the file system cannot exchange
+(not Linux, some network file systems) it falls back to two renames through ``.old-NAME``, and
+whatever finds ``NAME`` missing with a complete ``.tmp-NAME`` beside ``.old-NAME`` finishes
+that publish (``LocalStore.recover``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import shutil
 from collections.abc import Iterator
@@ -18,6 +27,7 @@ from typing import Any, BinaryIO
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from dcpkit import dist, failpoints
 from dcpkit.dist import io_threads
 from dcpkit.layout import (
     HF_FILES,
@@ -96,6 +106,25 @@ def write_durably(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux's ``renameat2`` with ``RENAME_EXCHANGE``).
+    False where the system or the file system cannot; other failures raise."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    done = call(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if done == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"cannot swap {b} with its new version: {os.strerror(err)}", str(a))
 
 
 def _remove_path(path: Path) -> None:
@@ -177,8 +206,25 @@ class LocalStore(CheckpointStore):
     def local_dir(self, name: str) -> Path | None:
         return self._p(name)
 
+    def recover(self, name: str) -> None:
+        """Finish a rewrite of ``name`` that stopped between its two renames (the fallback of
+        ``LocalPending._commit``): ``name`` missing, the old one at ``.old-NAME``, the new one
+        complete (its manifest written) at ``.tmp-NAME``."""
+        if not name or "/" in name or self._p(name).exists():
+            return
+        old, new = self._p(f"{OLD_PREFIX}{name}"), self._p(f"{TEMP_PREFIX}{name}")
+        if old.exists() and (new / MANIFEST).is_file():
+            os.replace(new, self._p(name))
+            fsync_dir(self.path)
+            _remove_path(old)
+
+    def holds_checkpoint(self, name: str) -> bool:
+        self.recover(name)
+        return super().holds_checkpoint(name)
+
     @contextlib.contextmanager
     def view(self, name: str, data: bool = True, metadata: bool = True) -> Iterator[CheckpointView]:
+        self.recover(name)
         path = self._p(name)
         if not path.exists():
             raise FileNotFoundError(f"{path} does not exist")
@@ -266,10 +312,16 @@ class LocalPending(PendingStep):
                 )
             fsync_dir(self.tmp)
         old = None
+        if self.final.exists() and exchange(self.tmp, self.final):  # the new one in its place
+            fsync_dir(self.final.parent)
+            failpoints.hit("mid_publish", self.step, dist.rank(), self.kill_pid)
+            _remove_path(self.tmp)  # the old one, now
+            return
         if self.final.exists():
             old = self.final.with_name(f"{OLD_PREFIX}{self.final.name}")
             _remove_path(old)
             os.replace(self.final, old)
+            failpoints.hit("mid_publish", self.step, dist.rank(), self.kill_pid)
         os.replace(self.tmp, self.final)
         fsync_dir(self.final.parent)
         if old is not None:
