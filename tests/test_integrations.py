@@ -213,6 +213,11 @@ def test_lightning_checkpoint_verifies_and_exports_the_trained_model(lightning_f
     assert proc.returncode == 0 and "sizes and checksums of" in proc.stdout, proc.stdout
     proc = cli("inspect", str(last))
     assert proc.returncode == 0 and "model.layers.0.self_attn.q_proj.weight" in proc.stdout
+    listed = cli("list", str(out / "checkpoints")).stdout
+    assert re.search(
+        r"^last\.ckpt +\d+ .*published, \d rank\(s\); sizes and structure verified", listed, re.M
+    ), listed
+    assert re.search(r"^epoch=\d+-step=\d+\.ckpt +\d+ ", listed, re.M), listed
     proc = cli("to-hf", str(last), str(tmp_path / "hf"), "--verify")
     assert proc.returncode == 0, proc.stderr
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -253,6 +258,8 @@ def test_a_rewrite_of_last_ckpt_killed_at_any_step_leaves_a_checkpoint_there(tmp
     run = subprocess.run([sys.executable, str(script), str(tmp_path), how], env=torchrun_env())
     assert run.returncode == 0 and DcpCheckpointIO().load_checkpoint(last)["global_step"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # nothing left beside
+    listed = cli("list", str(tmp_path))  # Lightning's names, listed and verified
+    assert listed.returncode == 0 and re.search(r"^last\.ckpt +3 .*verified", listed.stdout, re.M)
 
 
 def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):

@@ -316,8 +316,19 @@ class CheckpointStore(ABC):
             return st.size
         return sum(self.tree_size(f"{name}/{n}") for n in self.list_names(name))
 
+    def _named(self, name: str) -> bool:
+        """A published dcpkit checkpoint under a name of its writer's choosing (Lightning's
+        ``epoch=1-step=16.ckpt``, ``last.ckpt``): a folder with a checkpoint and a manifest."""
+        if name.startswith(".") or parse_step(name) is not None:
+            return False
+        st = self.stat(name)
+        return bool(st is not None and st.is_dir and self.holds_checkpoint(name)) and (
+            self.read_manifest(name)[0] is not None
+        )
+
     def entries(self) -> list[StepEntry]:
-        """Every checkpoint-like entry: published checkpoints and interrupted leftovers."""
+        """Every checkpoint-like entry: published checkpoints (``step-N``, and dcpkit's folders
+        named otherwise: Lightning's) and interrupted leftovers."""
         rows = []
         for name in self.list_names():
             step = parse_step(name)
@@ -325,8 +336,10 @@ class CheckpointStore(ABC):
                 digits = name.rsplit("-", 1)[-1].split(".")[0]
                 step = int(digits) if digits.isdigit() else None
                 status, published = self.incomplete_status_of(name), False
-            elif step is not None and self.is_published(name):
+            elif (step is not None and self.is_published(name)) or self._named(name):
                 manifest, _ = self.read_manifest(name)
+                if step is None and manifest is not None:  # a folder named by a framework
+                    step = manifest.get("step") if isinstance(manifest.get("step"), int) else None
                 if manifest is None:
                     status = "published (no dcpkit manifest)"
                 elif manifest.get("model_only"):
