@@ -265,6 +265,62 @@ def test_a_rewrite_of_last_ckpt_killed_at_any_step_leaves_a_checkpoint_there(tmp
     assert listed.returncode == 0 and re.search(r"^last\.ckpt +3 .*verified", listed.stdout, re.M)
 
 
+def test_lightning_modules_load_from_dcpkit_checkpoints(tmp_path):
+    """``load_from_checkpoint`` of a dcpkit checkpoint folder (Lightning's own opens one file):
+    the helper, and the mixin's classmethod, build the module from its saved hyperparameters
+    and load the trained parameters; the mixin still reads Lightning's own ``.ckpt`` files."""
+    import lightning as L
+
+    from dcpkit.integrations.lightning import (
+        DcpCheckpointIO,
+        LoadsDcpCheckpoints,
+        load_from_checkpoint,
+    )
+
+    class Tiny(LoadsDcpCheckpoints, L.LightningModule):
+        def __init__(self, width: int = 3) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.layer = torch.nn.Linear(width, 1)
+
+        def training_step(self, batch, _):
+            return self.layer(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.randn(8, 5), batch_size=4)
+    for plugins, folder in (([DcpCheckpointIO()], "dcp"), ([], "own")):
+        torch.manual_seed(0)
+        model = Tiny(width=5)
+        trainer = L.Trainer(
+            max_steps=3, accelerator="cpu", devices=1, plugins=plugins, logger=False,
+            default_root_dir=tmp_path / folder, enable_progress_bar=False,
+            enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(model, data)
+        path = trainer.checkpoint_callback.best_model_path
+        assert Path(path).is_dir() == (folder == "dcp")  # dcpkit's: a folder
+        for loaded in ((load_from_checkpoint(Tiny, path),) if folder == "dcp" else ()) + (
+            Tiny.load_from_checkpoint(path),
+        ):
+            assert loaded.hparams.width == 5
+            assert torch.equal(loaded.layer.weight, model.layer.weight)
+    assert Path(path).is_file()  # the last one: Lightning's own file
+
+
+def test_lightning_fsdp2_with_async_checkpoint_io_is_refused_before_training():
+    """What the Frameworks page once said to do for async saves under FSDP2 is refused when
+    the strategy is set up, before the first step, naming the reason and what works."""
+    script = ROOT / "tests" / "scripts" / "lightning_async_fsdp.py"
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=torchrun_env(), capture_output=True, text=True
+    )
+    assert "REFUSED after 0 steps" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "cannot save through AsyncCheckpointIO" in proc.stdout
+    assert "plugins=[DcpCheckpointIO(...)] alone" in proc.stdout
+
+
 def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
     """In one process: what Lightning hands the plugin comes back equal (integer keys stay
     integers); a damaged file is refused naming it; a parameter outside the prefix is refused."""
