@@ -452,6 +452,33 @@ def test_torchtitan_checkpoint_verifies_and_exports_its_llama(titan_full, tmp_pa
     assert (got - want["logits"]).abs().max().item() <= 1e-5
 
 
+def test_torchtitan_dataloader_position_at_another_data_parallel_size_is_refused_naming_the_fix():
+    """TorchTitan's own dataloader (a ``ParallelAwareDataloader``) asserts when its position
+    comes from another data-parallel size, and on a rank the checkpoint has no position for
+    starts over with a warning; dcpkit's manager refuses both while loading, before training,
+    saying to exclude ``dataloader``."""
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    from dcpkit import CheckpointError
+    from dcpkit.integrations.torchtitan import _Dataloader
+
+    data = torch.utils.data.TensorDataset(torch.arange(16.0))
+    saved = [
+        ParallelAwareDataloader(data, dp_rank=r, dp_world_size=2, batch_size=2) for r in (0, 1)
+    ]
+    for loader in saved:
+        next(iter(loader))
+    states = [_Dataloader(loader).state_dict() for loader in saved]
+    assert states[0]["world_size"] == 2 and "dp_rank_0" in states[0]
+    for now, rank in ((1, 0), (4, 3)):  # 2 -> 1: TorchTitan asserts; 2 -> 4: rank 3 starts over
+        loader = _Dataloader(ParallelAwareDataloader(data, dp_rank=rank, dp_world_size=now))
+        with pytest.raises(CheckpointError, match=r'Add "dataloader" to checkpoint\.exclude_from'):
+            loader.load_state_dict(states[min(rank, 1)])
+    same = _Dataloader(ParallelAwareDataloader(data, dp_rank=1, dp_world_size=2, batch_size=2))
+    same.load_state_dict(states[1])  # the same size: the position goes on
+    assert next(iter(same.loader))[0].tolist() == [2.0, 3.0]  # its 2nd batch, not its 1st
+
+
 def test_torchtitan_config_holds_every_option_of_both_with_their_defaults():
     """TorchTitan's options, and dcpkit's under the same names and defaults as
     `CheckpointConfig`: a TorchTitan user reads one set of option names."""

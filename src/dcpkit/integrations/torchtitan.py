@@ -36,6 +36,7 @@ from torchtitan.components.checkpointer import (
 from dcpkit.config import CheckpointConfig
 from dcpkit.engine.manager import CheckpointManager
 from dcpkit.engine.preempt import EXIT_PREEMPTED
+from dcpkit.errors import CheckpointError
 
 
 class DcpkitCheckpointManager(BaseCheckpointManager):
@@ -99,7 +100,7 @@ class DcpkitCheckpointManager(BaseCheckpointManager):
             checkpoint_config(config),
             base_folder or ".",
             ModelWrapper(model_parts),
-            dataloader=dataloader,
+            dataloader=_Dataloader(dataloader) if dataloader is not None else None,
             states={OPTIMIZER: optimizers, LR_SCHEDULER: lr_schedulers, **states},
         )
 
@@ -127,6 +128,32 @@ class DcpkitCheckpointManager(BaseCheckpointManager):
 
     def _close(self) -> None:
         self.manager.close()
+
+
+class _Dataloader:
+    """TorchTitan's dataloader, whose position cannot move to another data-parallel size: its
+    ``load_state_dict`` asserts (``dataloader resharding is not supported yet``), or, on a rank
+    the checkpoint has no position for, starts over with a warning. Either way refused here,
+    while loading (before training), saying what to exclude."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.loader.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("world_size") if isinstance(state, dict) else None
+        now = getattr(self.loader, "dp_world_size", None)
+        if isinstance(saved, int) and isinstance(now, int) and saved != now:
+            raise CheckpointError(
+                f"the checkpoint's dataloader positions are of {saved} data-parallel rank(s) and "
+                f"this run has {now}: TorchTitan's dataloader cannot move its position to another "
+                'data-parallel size. Add "dataloader" to checkpoint.exclude_from_loading to '
+                "resume with the data order restarted (model, optimizer, schedule and step are "
+                f"restored, resharded), or resume at a data-parallel size of {saved}"
+            )
+        self.loader.load_state_dict(state)
 
 
 def checkpoint_config(config: Any) -> CheckpointConfig:
