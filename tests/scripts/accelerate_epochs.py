@@ -72,11 +72,9 @@ with AcceleratorCheckpoint(
                 optimizer.zero_grad()
             mine.n += rank + 1
             shared.n += 1
-            print(
-                f"rank {rank} step {step} loss {loss.item()!r} mine {mine.n} shared {shared.n} "
-                f"epoch {data.iteration}",
-                flush=True,
-            )
+            line = f"rank {rank} step {step} loss {loss.item()!r} mine {mine.n} shared {shared.n}"
+            sys.stdout.write(f"{line} epoch {data.iteration}\n")  # one write: ranks share a pipe
+            sys.stdout.flush()
             ckpt.save_state(step, last_step=step == 22)
             if step == stop_after or step == 22:
                 break
