@@ -271,11 +271,8 @@ def test_lightning_modules_load_from_dcpkit_checkpoints(tmp_path):
     and load the trained parameters; the mixin still reads Lightning's own ``.ckpt`` files."""
     import lightning as L
 
-    from dcpkit.integrations.lightning import (
-        DcpCheckpointIO,
-        LoadsDcpCheckpoints,
-        load_from_checkpoint,
-    )
+    from dcpkit.integrations.lightning import DcpCheckpointIO
+    from dcpkit.integrations.lightning_loading import LoadsDcpCheckpoints, load_from_checkpoint
 
     class Tiny(LoadsDcpCheckpoints, L.LightningModule):
         def __init__(self, width: int = 3) -> None:
