@@ -92,6 +92,20 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise UnsafeCheckpoint(f"{self.where} holds a persistent reference ({pid!r})")
 
 
+def unpickle_metadata(f: BinaryIO, allowed: dict[tuple[str, str], Any], where: str) -> Any:
+    """What ``f`` unpickles to with only ``allowed``'s globals; any fault of the bytes is an
+    ``UnsafeCheckpoint`` naming ``where``."""
+    try:
+        return RestrictedUnpickler(f, allowed, where).load()
+    except UnsafeCheckpoint:
+        raise
+    except Exception as e:  # truncated or foreign bytes fail inside pickle in many ways
+        raise UnsafeCheckpoint(
+            f"{where} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
+            "corrupt: restore it, or use an earlier step"
+        ) from None
+
+
 def load_metadata(f: BinaryIO, where: str) -> Any:
     """DCP ``Metadata`` from an open ``.metadata`` file, without running code, checked for
     storage entries that would read outside the checkpoint folder. Parsed and checked with the
@@ -102,15 +116,7 @@ def load_metadata(f: BinaryIO, where: str) -> Any:
     from dcpkit.dist import paused_gc
 
     with paused_gc():
-        try:
-            metadata = RestrictedUnpickler(f, _metadata_globals(), where).load()
-        except UnsafeCheckpoint:
-            raise
-        except Exception as e:  # truncated or foreign bytes fail inside pickle in many ways
-            raise UnsafeCheckpoint(
-                f"{where} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
-                "corrupt: restore it, or use an earlier step"
-            ) from None
+        metadata = unpickle_metadata(f, _metadata_globals(), where)
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpoint(
                 f"{where} is not DCP metadata (it holds a {type(metadata).__name__})"

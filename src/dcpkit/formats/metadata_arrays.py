@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from dcpkit.formats.metadata_sink import MetaStandIn, Sink, TensorStandIn, stand_ins
-from dcpkit.safe_pickle import RestrictedUnpickler, UnsafeCheckpoint
+from dcpkit.safe_pickle import UnsafeCheckpoint, unpickle_metadata
 
 _SMALL = 64 << 20  # a .metadata read whole when the arrays cannot take it (about 1 GiB parsed)
 
@@ -58,15 +58,7 @@ def read_metadata_arrays(f: BinaryIO, where: str) -> ArrayMetadata:
 
     sink = Sink(where)
     with paused_gc():
-        try:
-            top = RestrictedUnpickler(f, stand_ins(sink), where).load()
-        except UnsafeCheckpoint:
-            raise
-        except Exception as e:  # truncated or foreign bytes fail inside pickle in many ways
-            raise UnsafeCheckpoint(
-                f"{where} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
-                "corrupt: restore it, or use an earlier step"
-            ) from None
+        top = unpickle_metadata(f, stand_ins(sink), where)
     if not isinstance(top, MetaStandIn):
         raise UnsafeCheckpoint(f"{where} is not DCP metadata (it holds a {type(top).__name__})")
     if sink.pending or sink.expect_value:
