@@ -173,6 +173,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_free(port: int) -> bool:
+    """Whether a loopback TCP port can be bound now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def start_moto(log_path, extra_env=None) -> tuple[subprocess.Popen, int]:
     """A moto S3 server on 127.0.0.1 (a real HTTP server speaking the S3 protocol)."""
     port = free_port()

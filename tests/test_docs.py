@@ -158,13 +158,14 @@ def test_the_local_s3_page_runs_as_written(tmp_path):
     """docs/s3-local.md's session, line by line (all but its install line, which
     test_install.py covers; on a free port): SeaweedFS started, a bucket made, the trainer
     saving to s3://, `dcpkit list` and `dcpkit verify` reading it in place, the server stopped."""
-    from conftest import free_port
+    from conftest import free_port, port_free
 
     text = (ROOT / "docs" / "s3-local.md").read_text()
     block = re.search(r"```bash\n(.*?)```", text, re.S)
     assert block
     lines = [x for x in block.group(1).splitlines() if not x.startswith("pip install")]
-    port = str(free_port())
+    # SeaweedFS listens for gRPC on the S3 port + 10000: both must be valid and free
+    port = str(next(p for p in iter(free_port, 0) if p + 10000 <= 65535 and port_free(p + 10000)))
     script = "\n".join(lines).replace("8333", port) + "\n"  # each line's outcome is read below
     env = torchrun_env({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
