@@ -140,3 +140,35 @@ def test_trainer_takes_a_json_list_for_exclude_from_loading(stopped_run, tmp_pat
     assert "not loading 'optimizer'" in out or "exclude_from_loading" in out
     assert "resuming after step 10" in out
     assert cli("list", str(dump / "checkpoint")).returncode == 0
+
+
+def test_initial_load_in_hf_loads_every_parameter_or_names_the_missing(tmp_path):
+    """A Hugging Face folder starts the model whole, or the load names what it lacks (never a
+    model left partly at its initial weights)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dcpkit import CheckpointError, HFModel
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    cfg = CheckpointConfig(enable=True, initial_load_path=str(tmp_path / "hf"),
+                           initial_load_in_hf=True)  # fmt: skip
+    mgr = CheckpointManager(cfg, tmp_path / "a", model, hf_model=HFModel("hf", config))
+    mgr.load()
+    mgr.close()
+    saved = load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    del saved["lm_head.weight"]
+    save_file(saved, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    mgr = CheckpointManager(cfg, tmp_path / "b", LlamaForCausalLM(config),
+                            hf_model=HFModel("hf", config))  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"does not hold 1 of this model's parameters \(lm"):
+        mgr.load()
+    mgr.close()

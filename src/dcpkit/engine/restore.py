@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dcpkit import dist
 from dcpkit.engine.reading import dcp_reader, load_into
@@ -44,6 +44,7 @@ from dcpkit.layout import (
 )
 from dcpkit.manifest import format_problem
 from dcpkit.safe_pickle import UnsafeCheckpoint
+from dcpkit.spellings import other_spellings
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +99,10 @@ def restore(
     )  # fmt: skip
     if isinstance(prepared, list):  # a Hugging Face folder, loaded whole
         return prepared
-    template, reader, stored, model_sd, wanted, per_rank, rng_plan = prepared
+    template, reader, stored, model_sd, wanted, per_rank, rng_plan, spelled = prepared
     load_into(template, reader, location, gather, stored)
-    model.load_state_dict({k: template[k] for k in model_sd})
+    names = {saved: live for live, saved in spelled.items()}
+    model.load_state_dict({names.get(k, k): template[k] for k in model_sd})
     for group in wanted:
         obj = states[group]
         if group not in per_rank:
@@ -171,10 +173,17 @@ def _prepare(
 
     model_sd = model.state_dict()
     missing = sorted(k for k in model_sd if k not in saved)
+    spelled = other_spellings(missing, saved) if missing else {}
+    if spelled:
+        first = next(iter(spelled))
+        logger.info(
+            "checkpoint: %s spells %d of the model's names otherwise (%s for %s): loaded by "
+            "their common name", location, len(spelled), spelled[first], first,
+        )  # fmt: skip
+        model_sd = {spelled.get(k, k): v for k, v in model_sd.items()}
+        missing = []
     if missing:
-        shown = ", ".join(missing[:8]) + (
-            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        )
+        shown = _listed(missing)
         raise CheckpointError(
             f"{location} does not hold {len(missing)} of this model's parameters ({shown}); "
             "is it a checkpoint of another model or flavor?"
@@ -225,7 +234,12 @@ def _prepare(
             raise CheckpointError(str(e)) from None
     files = (manifest or {}).get("files") or {}
     stored = sum(e.get("size", 0) for n, e in files.items() if n.endswith(".distcp"))
-    return template, reader, stored, model_sd, wanted, per_rank, rng_plan
+    return template, reader, stored, model_sd, wanted, per_rank, rng_plan, spelled
+
+
+def _listed(names: list[str]) -> str:
+    more = len(names) - 8
+    return ", ".join(names[:8]) + (f" and {more} more" if more > 0 else "")
 
 
 def _missing_message(location: str, missing: list[str], manifest: Any, saved: set[str]) -> str:
@@ -288,22 +302,48 @@ def _fresh(value: Any) -> Any:
 
 def load_hf(store: Any, name: str, model: ModelState, hf: HFCodec | None) -> None:
     """Model weights from a Hugging Face folder, one parameter at a time (on an object store,
-    read in place by range requests)."""
+    read in place by range requests): each full tensor read is copied into this rank's shard
+    of the parameter, then the model loads its state dict through its own ``load_state_dict``
+    (as a DCP load does: a model whose state-dict hooks reshape names, as TorchTitan's fused
+    QKV projection, gets them as it expects). Every parameter must be in the folder."""
     location = store.location(name)
     if hf is None:
         raise CheckpointError(
             f"{location} is a Hugging Face folder; loading it needs hf_model=HFModel(...)"
         )
-    wanted = set(model.state_dict())
-    options = StateDictOptions(full_state_dict=True, strict=False)
+    live = model.state_dict()
+    done: set[str] = set()
     with store.view(name) as view:
         for hf_name, ours, tensor in hf.read_model(view):
-            if ours not in wanted:
+            if ours not in live:  # another TorchTitan spelling of the same parameter
+                ours = other_spellings([ours], set(live)).get(ours, ours)
+            target = live.get(ours)
+            if target is None:
                 raise CheckpointError(
                     f"{location}: {hf_name} maps to {ours}, which this model lacks"
                 )
-            for part in model.parts:
-                set_model_state_dict(part, {ours: tensor}, options=options)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(
+                    f"{location}: {hf_name} has shape {list(tensor.shape)} where this model's "
+                    f"{ours} has {list(target.shape)}"
+                )
+            with torch.no_grad():
+                if isinstance(target, DTensor):
+                    local = distribute_tensor(
+                        tensor, target.device_mesh, target.placements, src_data_rank=None
+                    ).to_local()
+                    target.to_local().copy_(local)
+                else:
+                    target.copy_(tensor)
+            done.add(ours)
+    missing = sorted(k for k in live if k not in done)
+    if missing:
+        shown = _listed(missing)
+        raise CheckpointError(
+            f"{location} does not hold {len(missing)} of this model's parameters ({shown}); "
+            "is it a Hugging Face folder of another model or flavor?"
+        )
+    model.load_state_dict(live)
 
 
 _RNG_KEY = re.compile(rf"^{RNG}\.rank_(\d+)(\.|$)")

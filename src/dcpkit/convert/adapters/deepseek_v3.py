@@ -23,13 +23,13 @@ from dcpkit.convert.adapters.base import (
 )
 from dcpkit.convert.adapters.llama3 import Llama3Adapter
 from dcpkit.convert.adapters.moe import (
-    MOE_ALIASES,
     MOE_KEY_MAP,
     SHARED_EXPERTS_KEY_MAP,
     moe_layer_shapes,
 )
 from dcpkit.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from dcpkit.models.moe import MoEArgs
+from dcpkit.spellings import MOE_ALIASES
 
 _SHARED = (
     "tok_embeddings.weight",

@@ -15,6 +15,7 @@ from dcpkit.convert.adapters.base import (
     decoder_shapes,
 )
 from dcpkit.models.llama3 import LLAMA3_FLAVORS, Llama3Args, rope_scaling_dict
+from dcpkit.spellings import LLAMA3_ALIASES
 
 
 class Llama3Adapter(ModelAdapter):
@@ -33,12 +34,7 @@ class Llama3Adapter(ModelAdapter):
         "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight",
     }
-    aliases: ClassVar[dict[str, str]] = {
-        "layers.{i}.attention.qkv_linear.wq.weight": "layers.{i}.attention.wq.weight",
-        "layers.{i}.attention.qkv_linear.wk.weight": "layers.{i}.attention.wk.weight",
-        "layers.{i}.attention.qkv_linear.wv.weight": "layers.{i}.attention.wv.weight",
-        "lm_head.weight": "output.weight",
-    }
+    aliases: ClassVar[dict[str, str]] = LLAMA3_ALIASES
     hf_ignored = ("model.layers.{i}.self_attn.rotary_emb.inv_freq",)
     flavors = LLAMA3_FLAVORS
 

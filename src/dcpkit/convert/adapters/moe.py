@@ -19,13 +19,6 @@ SHARED_EXPERTS_KEY_MAP: dict[str, str] = {
     "layers.{i}.moe.shared_experts.w2.weight": _SHARED + "down_proj.weight",
     "layers.{i}.moe.shared_experts.w3.weight": _SHARED + "up_proj.weight",
 }
-MOE_ALIASES: dict[str, str] = {
-    # TorchTitan's newer names carry the dimension order of the stacked experts.
-    "layers.{i}.moe.experts.w1_EFD": "layers.{i}.moe.experts.w1",
-    "layers.{i}.moe.experts.w2_EDF": "layers.{i}.moe.experts.w2",
-    "layers.{i}.moe.experts.w3_EFD": "layers.{i}.moe.experts.w3",
-    "lm_head.weight": "output.weight",
-}
 
 
 def moe_layer_shapes(args: Any, layer: int) -> dict[str, tuple[int, ...]]:

@@ -16,6 +16,7 @@ from dcpkit.convert.adapters.base import (
 )
 from dcpkit.convert.adapters.llama3 import Llama3Adapter
 from dcpkit.models.qwen3 import QWEN3_FLAVORS, Qwen3Args
+from dcpkit.spellings import QWEN3_ALIASES
 
 
 class Qwen3Adapter(ModelAdapter):
@@ -25,11 +26,7 @@ class Qwen3Adapter(ModelAdapter):
         "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
         "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     }
-    aliases: ClassVar[dict[str, str]] = {
-        **Llama3Adapter.aliases,
-        "layers.{i}.attention.qkv_linear.q_norm.weight": "layers.{i}.attention.q_norm.weight",
-        "layers.{i}.attention.qkv_linear.k_norm.weight": "layers.{i}.attention.k_norm.weight",
-    }
+    aliases: ClassVar[dict[str, str]] = QWEN3_ALIASES
     hf_ignored = Llama3Adapter.hf_ignored
     flavors = QWEN3_FLAVORS
 

@@ -15,7 +15,6 @@ from dcpkit.convert.adapters.base import (
     decoder_shapes,
 )
 from dcpkit.convert.adapters.moe import (
-    MOE_ALIASES,
     MOE_KEY_MAP,
     leading_dense_layers,
     moe_layer_shapes,
@@ -23,6 +22,7 @@ from dcpkit.convert.adapters.moe import (
 from dcpkit.convert.adapters.qwen3 import Qwen3Adapter, qwen3_fields
 from dcpkit.models.moe import MoEArgs
 from dcpkit.models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeArgs
+from dcpkit.spellings import MOE_ALIASES
 
 
 class Qwen3MoeAdapter(ModelAdapter):
