@@ -48,11 +48,12 @@ if os.environ["RANK"] == "0":
     init_logger()  # TorchTitan's log lines, from one process
 config = llama3_debugmodel()  # TorchTitan's own config function, then a few changes
 manager = CheckpointManager if os.environ.get("CHECKPOINTER") == "torchtitan" else None
+options = json.loads(os.environ.get("CHECKPOINT_OPTIONS", "{}"))
 config.checkpoint = (manager or DcpkitCheckpointManager).Config(
-    enable=True, interval=2, last_save_model_only=False, keep_latest_k=0
+    **{"enable": True, "interval": 2, "last_save_model_only": False, "keep_latest_k": 0, **options}
 )
 config.dump_folder = str(out)
-config.hf_assets_path = str(assets)
+config.hf_assets_path = os.environ.get("HF_ASSETS", str(assets))
 config.dataloader.dataset_path = str(data)
 config.training.steps, config.training.seq_len, config.training.local_batch_size = 8, 64, 2
 config.validator.enable = False

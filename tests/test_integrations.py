@@ -504,3 +504,141 @@ def test_torchtitan_config_holds_every_option_of_both_with_their_defaults():
     config = DcpkitCheckpointManager.Config(enable=True, interval=7, verify_on_load=False)
     converted = checkpoint_config(config)
     assert (converted.interval, converted.verify_on_load) == (7, False)
+
+
+def titan_options(**options) -> dict[str, str]:
+    import json
+
+    return {"CHECKPOINT_OPTIONS": json.dumps(options)}
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP step or of a Hugging Face folder, by name."""
+    from safetensors.torch import load_file
+
+    from dcpkit.formats.dcp import DCPCheckpoint
+
+    if (folder / ".metadata").is_file():
+        with DCPCheckpoint(folder) as src:
+            return {k: src.read(k) for k in src.tensors}
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_torchtitan_starts_from_a_hugging_face_folder_and_ends_with_one(titan_full, tmp_path):
+    """TorchTitan's own Trainer with ``initial_load_in_hf`` and ``last_save_in_hf`` through
+    dcpkit's manager, converting with the state-dict adapter TorchTitan gives it: it starts
+    from a ``save_pretrained`` folder exactly as from the same weights imported by ``dcpkit
+    from-hf`` and as TorchTitan's own manager does; its last save loads with
+    ``from_pretrained`` (logits of TorchTitan's model) and holds the tensors TorchTitan's own
+    manager writes on the same run."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, out = titan_full
+    shape = tmp_path / "shape"  # the debug model's config.json, from an export of a run
+    proc = cli("to-hf", str(out / "checkpoint" / "step-8"), str(shape), "--model", "llama3",
+               "--flavor", "debugmodel")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    torch.manual_seed(1)
+    start = tmp_path / "start"
+    LlamaForCausalLM(LlamaConfig.from_pretrained(shape)).save_pretrained(start)
+    assets = tmp_path / "assets"  # the model's Hugging Face assets: tokenizer and config.json
+    shutil.copytree(out / "assets", assets)
+    shutil.copy(start / "config.json", assets / "config.json")
+    hf_in = {"initial_load_path": str(start), "initial_load_in_hf": True}
+    hf_both = {**hf_in, "last_save_in_hf": True, "last_save_model_only": True}
+    runs = {}
+    for name, options, checkpointer in (
+        ("dcpkit", hf_both, "dcpkit"),
+        ("torchtitan", hf_both, "torchtitan"),  # TorchTitan's own manager, the same options
+        ("family", {**hf_in, "hf_model": "llama3:debugmodel"}, "dcpkit"),  # dcpkit's converter
+    ):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        env = {**titan_options(**options), "HF_ASSETS": str(assets), "CHECKPOINTER": checkpointer}
+        runs[name] = run_titan(cwd, env=env), cwd / "outputs" / "torchtitan" / "checkpoint"
+    imported = tmp_path / "imported"
+    assert cli("from-hf", str(start), str(imported)).returncode == 0
+    cwd = tmp_path / "imported-run"
+    cwd.mkdir()
+    env = {**titan_options(initial_load_path=str(imported)), "HF_ASSETS": str(assets)}
+    runs["imported"] = run_titan(cwd, env=env), cwd / "outputs" / "torchtitan" / "checkpoint"
+    losses = {name: run[0] for name, run in runs.items()}
+    assert losses["dcpkit"][1] == losses["imported"][1]  # the first loss: the same weights
+    assert losses["dcpkit"] == losses["imported"] == losses["torchtitan"] == losses["family"]
+    assert losses["dcpkit"][1] != titan_full[0][1]  # not the run's own initial weights
+    export = runs["dcpkit"][1] / "step-8"
+    assert (export / "config.json").is_file() and (export / "tokenizer.json").is_file()
+    ours, theirs = read_tensors(export), read_tensors(runs["torchtitan"][1] / "step-8")
+    assert sorted(ours) == sorted(theirs) and len(ours) == 57
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    expected = tmp_path / "logits.safetensors"  # TorchTitan's model at step 8 of the same run
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "torchtitan_logits.py"),
+         str(runs["imported"][1] / "step-8"), str(expected)],
+        check=True, env=torchrun_env(), capture_output=True, timeout=300,
+    )  # fmt: skip
+    from safetensors.torch import load_file
+
+    want = load_file(expected)
+    assert (logits_of(export, want["tokens"]) - want["logits"]).abs().max().item() <= 1e-5
+
+
+def test_torchtitan_checkpoint_options_beside_its_own_manager(titan_full, tmp_path):
+    """Each of TorchTitan's ``[checkpoint]`` options driven in TorchTitan's own Trainer,
+    through dcpkit's manager and TorchTitan's own on the same run: ``keep_latest_k``,
+    ``last_save_model_only`` with ``export_dtype``, both async modes (TorchTitan's own
+    ``async_with_pinned_mem`` needs CUDA: dcpkit's runs it on the CPU), ``load_step`` and
+    ``exclude_from_loading``."""
+    full, out = titan_full
+    kept = {"keep_latest_k": 2, "last_save_model_only": True, "export_dtype": "bfloat16"}
+    folders = {}
+    for name, mode, checkpointer in (
+        ("dcpkit", "async_with_pinned_mem", "dcpkit"),
+        ("torchtitan", "async", "torchtitan"),
+    ):
+        cwd = tmp_path / f"kept-{name}"
+        cwd.mkdir()
+        env = {**titan_options(**kept, async_mode=mode), "CHECKPOINTER": checkpointer}
+        assert run_titan(cwd, env=env) == full  # saving in the background changes no loss
+        folders[name] = cwd / "outputs" / "torchtitan" / "checkpoint"
+    steps = {n: sorted(p.name for p in f.glob("step-*")) for n, f in folders.items()}
+    assert steps["dcpkit"] == ["step-6", "step-8"], steps  # keep_latest_k 2, nothing more
+    assert {"step-6", "step-8"} <= set(steps["torchtitan"]), steps
+    ours, theirs = (read_tensors(f / "step-8") for f in folders.values())
+    trained = read_tensors(out / "checkpoint" / "step-8")  # the full run's step 8, float32
+    assert sorted(ours) == sorted(theirs) and len(ours) == 57  # the model only
+    assert {t.dtype for t in ours.values()} == {torch.bfloat16}
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    assert [k for k in ours if not torch.equal(ours[k], trained[k].bfloat16())] == []
+    resumed = {}
+    for name, options, checkpointer in (
+        ("load_step", {"load_step": 4}, "dcpkit"),
+        ("excluded", {"load_step": 4, "exclude_from_loading": ["dataloader"]}, "dcpkit"),
+        ("excluded-own", {"load_step": 4, "exclude_from_loading": ["dataloader"]}, "torchtitan"),
+    ):
+        cwd = tmp_path / name
+        shutil.copytree(out.parent.parent, cwd, ignore=shutil.ignore_patterns("hf-datasets"))
+        env = {**titan_options(**options, async_mode="async"), "CHECKPOINTER": checkpointer}
+        resumed[name] = run_titan(cwd, env=env)
+    assert_resumed(full, resumed["load_step"], 5)  # step 4 of 8, not the latest
+    assert sorted(resumed["excluded"]) == [5, 6, 7, 8]
+    assert resumed["excluded"] == resumed["excluded-own"]  # as TorchTitan's own manager does it
+    assert resumed["excluded"][5] != full[5]  # the data order started over: the loss differs
+
+
+def test_torchtitan_hugging_face_options_without_an_adapter_are_refused_naming_the_fix():
+    from dcpkit import ConfigError
+    from dcpkit.convert.hf_model import HFModel
+    from dcpkit.integrations.torchtitan import DcpkitCheckpointManager, hf_codec
+
+    config = DcpkitCheckpointManager.Config(enable=True, last_save_in_hf=True)
+    with pytest.raises(ConfigError, match=r'no state-dict adapter .* checkpoint\.hf_model = "F'):
+        hf_codec(config, None)
+    config.hf_model = "llama3"
+    with pytest.raises(ConfigError, match='give a family and a flavor, as "llama3:8B"'):
+        hf_codec(config, None)
+    config.hf_model = "llama3:debugmodel"
+    assert isinstance(hf_codec(config, None), HFModel)

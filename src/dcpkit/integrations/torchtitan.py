@@ -33,10 +33,11 @@ from torchtitan.components.checkpointer import (
     ModelWrapper,
 )
 
-from dcpkit.config import CheckpointConfig
+from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.engine.manager import CheckpointManager
 from dcpkit.engine.preempt import EXIT_PREEMPTED
 from dcpkit.errors import CheckpointError
+from dcpkit.integrations.torchtitan_hf import AdapterHF
 
 
 class DcpkitCheckpointManager(BaseCheckpointManager):
@@ -75,6 +76,11 @@ class DcpkitCheckpointManager(BaseCheckpointManager):
         with code 75 (checked at every step's save call, one small all-reduce)."""
         emergency_timeout_s: float = 60.0
         """Grace period after SIGTERM: past it (or at a second SIGTERM) the process exits."""
+        hf_model: str = ""
+        """``initial_load_in_hf`` and ``last_save_in_hf`` through one of dcpkit's model
+        families (``"llama3:8B"``: family and flavor, as ``dcpkit to-hf --model --flavor``)
+        instead of the state-dict adapter TorchTitan gives its checkpointer (for a model
+        TorchTitan has none for)."""
 
     def __init__(
         self,
@@ -94,14 +100,22 @@ class DcpkitCheckpointManager(BaseCheckpointManager):
         if not self.enable:
             return
         self.create_seed_checkpoint = config.create_seed_checkpoint
+        converted = checkpoint_config(config)
+        hf_model = None
+        if config.initial_load_in_hf or config.last_save_in_hf:
+            hf_model = hf_codec(config, sd_adapter)
+            if config.initial_load_in_hf and not converted.initial_load_path:
+                # TorchTitan's rule: the weights of the model's Hugging Face assets
+                converted.initial_load_path = sd_adapter.hf_assets_path
         # TorchTitan's own stateful objects, saved as they make their state dicts: the same
         # keys as TorchTitan's manager writes (its models' state-dict hooks shape the names)
         self.manager = CheckpointManager(
-            checkpoint_config(config),
+            converted,
             base_folder or ".",
             ModelWrapper(model_parts),
             dataloader=_Dataloader(dataloader) if dataloader is not None else None,
             states={OPTIMIZER: optimizers, LR_SCHEDULER: lr_schedulers, **states},
+            hf_model=hf_model,
         )
 
     def _load(self, step: int = -1) -> bool:
@@ -154,6 +168,35 @@ class _Dataloader:
                 f"restored, resharded), or resume at a data-parallel size of {saved}"
             )
         self.loader.load_state_dict(state)
+
+
+def hf_codec(config: Any, sd_adapter: Any) -> Any:
+    """How Hugging Face folders are read and written for this run: dcpkit's family named by
+    ``hf_model``, else the state-dict adapter TorchTitan gives the checkpointer."""
+    if config.hf_model:
+        from dcpkit.convert.hf_model import HFModel
+
+        family, _, flavor = config.hf_model.partition(":")
+        if not flavor:
+            raise ConfigError(
+                f'checkpoint.hf_model = "{config.hf_model}": give a family and a flavor, as '
+                '"llama3:8B" (the names of dcpkit to-hf --model and --flavor)'
+            )
+        return HFModel(family, flavor)
+    what = "initial_load_in_hf" if config.initial_load_in_hf else "last_save_in_hf"
+    if sd_adapter is None:
+        raise ConfigError(
+            f"checkpoint.{what} = true, but TorchTitan gives no state-dict adapter for this "
+            'model: set checkpoint.hf_model = "FAMILY:FLAVOR" to convert with one of dcpkit\'s '
+            "model families (those of dcpkit to-hf --model), or save in DCP and convert afterwards "
+            "(dcpkit to-hf)"
+        )
+    if config.initial_load_in_hf and not (config.initial_load_path or sd_adapter.hf_assets_path):
+        raise ConfigError(
+            "checkpoint.initial_load_in_hf = true, but neither checkpoint.initial_load_path nor "
+            "the model's hf_assets_path names the Hugging Face folder to start from"
+        )
+    return AdapterHF(sd_adapter)
 
 
 def checkpoint_config(config: Any) -> CheckpointConfig:
