@@ -20,6 +20,11 @@ def is_url(path: Any) -> bool:
     return bool(_URL.match(text)) and not text.startswith("file://")
 
 
+def local_path(path_or_url: Any) -> Path | None:
+    """The local folder ``path_or_url`` names, or None for a URL of a remote store."""
+    return None if is_url(path_or_url) else Path(str(path_or_url).removeprefix("file://"))
+
+
 def open_store(
     path_or_url: str | Path,
     storage_options: dict[str, Any] | None = None,

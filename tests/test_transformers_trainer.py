@@ -1,0 +1,161 @@
+"""The transformers ``Trainer`` checkpointing through ``DcpkitTrainerMixin``: its own training
+loop on 2 processes (DDP, gloo), a tiny Llama with attention dropout, a shuffled dataset and 2
+micro-batches per step (``examples/transformers_trainer.py``); every later micro-batch loss of a
+resumed run bitwise equal to an uninterrupted run's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, cli, torchrun_env
+
+
+def trainer_run(out, *args: str, env: dict[str, str] | None = None, ok: bool = True, cwd=None):
+    """Each rank's loss of each micro-batch, by (rank, step, micro-batch)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(ROOT / "examples" / "transformers_trainer.py"), str(out), *args],
+        env=torchrun_env(env), capture_output=True, text=True, timeout=300, cwd=cwd,
+    )  # fmt: skip
+    if ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    else:
+        assert proc.returncode != 0, "the run was to be killed"
+    losses = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("loss "):
+            _, rank, step, micro, value = line.split()
+            losses[(int(rank), int(step), int(micro))] = value
+    return losses, proc.stdout + proc.stderr
+
+
+def steps_of(folder: Path) -> list[str]:
+    return sorted((p.name for p in folder.glob("step-*")), key=lambda n: int(n[5:]))
+
+
+@pytest.fixture(scope="module")
+def trainer_full(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer") / "full"
+    losses, _ = trainer_run(out)
+    assert len(losses) == 2 * 14 * 2  # 2 ranks, 14 steps, 2 micro-batches
+    return losses, out
+
+
+@pytest.mark.dist
+def test_trainer_resumes_bitwise_after_a_stop_mid_epoch_and_a_kill_mid_save(trainer_full, tmp_path):
+    full, _ = trainer_full
+    # a clean stop after step 9, in the 2nd epoch (6 steps an epoch), keeping 2 steps
+    out, limit = tmp_path / "stopped", {"SAVE_TOTAL_LIMIT": "2"}
+    first, _ = trainer_run(out, "9", env=limit)
+    assert {s for _, s, _ in first} == set(range(1, 10))
+    assert steps_of(out / "checkpoint") == ["step-6", "step-9"]
+    resumed, log = trainer_run(out, "--resume", env=limit)
+    assert "loaded" in log and "step-9" in log
+    assert {s for _, s, _ in resumed} == set(range(10, 15))
+    assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
+    assert steps_of(out / "checkpoint") == ["step-12", "step-14"]  # save_total_limit = 2
+    # SIGKILL in the middle of step 12's background write (async_with_pinned_mem)
+    out, pinned = tmp_path / "killed", {"ASYNC_MODE": "async_with_pinned_mem"}
+    trainer_run(out, env={**pinned, "DCPKIT_FAILPOINT": "mid_write:12"}, ok=False)
+    assert steps_of(out / "checkpoint") == ["step-3", "step-6", "step-9"]
+    resumed, log = trainer_run(out, "--resume", env=pinned)
+    assert "step-9" in log and "step-12 " not in log.split("loaded")[0]
+    assert {s for _, s, _ in resumed} == set(range(10, 15))  # never from the killed save
+    assert [k for k, v in resumed.items() if full[k] != v] == []
+    assert cli("verify", str(out / "checkpoint" / "step-14")).returncode == 0
+
+
+@pytest.mark.dist
+def test_trl_sft_trainer_resumes_bitwise(tmp_path):
+    """TRL's ``SFTTrainer`` (built on ``Trainer``) with the mixin: stopped after step 9, and
+    killed in the middle of step 12's save; each resumed, every micro-batch loss equal to an
+    uninterrupted run's."""
+    sft = {"TRAINER": "sft"}
+    full, _ = trainer_run(tmp_path / "full", env=sft)
+    assert len(full) == 2 * 14 * 2
+    out = tmp_path / "stopped"
+    first, _ = trainer_run(out, "9", env=sft)
+    resumed, log = trainer_run(out, "--resume", env=sft)
+    assert "step-9" in log and {s for _, s, _ in resumed} == set(range(10, 15))
+    assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
+    out = tmp_path / "killed"  # SIGKILL in the middle of step 12's write
+    trainer_run(out, env={**sft, "DCPKIT_FAILPOINT": "mid_write:12"}, ok=False)
+    assert steps_of(out / "checkpoint") == ["step-3", "step-6", "step-9"]
+    resumed, _ = trainer_run(out, "--resume", env=sft)
+    assert [k for k, v in resumed.items() if full[k] != v] == [] and len(resumed) == 20
+
+
+@pytest.mark.dist
+def test_a_trainer_writes_to_and_resumes_from_s3(trainer_full, seaweedfs, monkeypatch, tmp_path):
+    """``output_dir`` an ``s3://`` URL (SeaweedFS): the steps go to the bucket, nothing is
+    written locally, and a resume from the bucket goes on bitwise."""
+    from conftest import BUCKET, use_endpoint
+
+    full, _ = trainer_full
+    use_endpoint(monkeypatch, seaweedfs)
+    url = f"s3://{BUCKET}/trainer-run"
+    first, _ = trainer_run(url, "6", cwd=tmp_path)
+    proc = cli("list", f"{url}/checkpoint")
+    assert proc.returncode == 0 and "step-6" in proc.stdout, proc.stdout + proc.stderr
+    resumed, log = trainer_run(url, "--resume", cwd=tmp_path)
+    assert "loaded s3://" in log, log[-3000:]
+    assert {s for _, s, _ in resumed} == set(range(7, 15))
+    assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
+    assert list(tmp_path.iterdir()) == []  # nothing beside the bucket
+
+
+@pytest.mark.dist
+def test_a_trainer_checkpoint_exports_to_a_folder_from_pretrained_loads(trainer_full, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from dcpkit.formats.dcp import DCPCheckpoint
+
+    _, out = trainer_full
+    step = out / "checkpoint" / "step-14"
+    proc = cli("to-hf", str(step), str(tmp_path / "hf"))  # the model recorded: no flavor
+    assert proc.returncode == 0, proc.stderr
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    with DCPCheckpoint(step) as src:
+        saved = {k: src.read(k) for k in src.tensors if src.is_model_key(k)}
+    loaded = model.state_dict()
+    assert set(saved) <= set(loaded)
+    assert [k for k in saved if not torch.equal(saved[k], loaded[k])] == []
+
+
+def test_the_trainer_mixin_refuses_an_untested_transformers_and_options_it_cannot_keep(
+    tmp_path, monkeypatch
+):
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from dcpkit import ConfigError
+    from dcpkit.integrations import transformers as integration
+    from dcpkit.integrations.transformers import TESTED, DcpkitTrainerMixin, check_version
+
+    class MyTrainer(DcpkitTrainerMixin, Trainer):
+        pass
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8,
+                                         num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
+
+    def build(**options):
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **options)
+        return MyTrainer(model=model, args=args, eval_dataset=[{"input_ids": torch.zeros(4)}])
+
+    assert build().dcpkit_config.keep_latest_k == 0
+    assert build(save_total_limit=3).dcpkit_config.keep_latest_k == 3
+    with pytest.raises(ConfigError, match="save_total_limit = 1 would delete"):
+        build(save_total_limit=1)
+    with pytest.raises(ConfigError, match="load_best_model_at_end"):
+        build(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps")
+    check_version(".".join(map(str, TESTED[0])) + ".0")
+    with pytest.raises(ConfigError, match=r"tested with trl 1\.16\.x; this is trl 0\.9\.6"):
+        check_version("0.9.6", "trl")
+    for version in ("4.57.1", "5.99.0", "dev"):
+        monkeypatch.setattr(integration, "installed_version", lambda v=version: v)
+        with pytest.raises(ConfigError, match=rf"tested with transformers .*this is .*{version}"):
+            build()
