@@ -295,3 +295,31 @@ def test_permission_error(command, ckpt, tmp_path):
     assert "permission denied" in stderr.lower(), stderr
     assert "Traceback" not in stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_report_counts_a_save_as_the_demo_does(tmp_path):
+    """The report's stall per save: the save's step and the next (which waits for an async
+    copy), a process's first save left out and named; the next step's stall in ms, not 0.000."""
+    import html
+    import json
+
+    lines = [{"event": "start", "world_size": 1, "config": {}}]
+    stalls = {2: (0.7, 0.004), 4: (0.03, 0.002), 6: (0.05, 0.002)}
+    for step in range(1, 8):
+        if step in stalls:
+            lines.append(
+                {"event": "save", "step": step, "mode": "async", "stall_s": stalls[step][0]}
+            )
+        own = stalls.get(step, (0.0,))[0]
+        after = stalls.get(step - 1, (0.0, 0.0005))[1]
+        stall = own or after
+        lines.append({"step": step, "loss": 1.0, "lr": 1e-3, "checkpoint_stall_s": stall})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    proc = cli("report", str(tmp_path), "-o", str(tmp_path / "r.html"))
+    assert proc.returncode == 0, proc.stderr
+    page = html.unescape((tmp_path / "r.html").read_text())
+    assert (
+        "median 0.042s, max 0.052s over 2; left out: the saves at steps 2 (a process's first"
+        in page
+    )
+    assert "<td>2.0</td>" in page.replace(' class="num"', "")  # step 5's wait, in ms
