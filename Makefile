@@ -23,7 +23,9 @@ test: $(STAMP) chromium
 	$(PY) -m pytest -q --durations=15
 
 # The docs site, built in strict mode: a broken link, a missing page or a bad docstring fails it.
+# First the benchmark figures the pages show are written from their results files.
 docs: $(STAMP)
+	$(PY) benchmarks/figures.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d $(SITE)
 	@echo "the site is in $(SITE)/ (open $(SITE)/index.html)"
 

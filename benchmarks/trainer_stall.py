@@ -148,7 +148,11 @@ def main() -> None:
         print(f"{name:<30}{r['stall_s']:>14.2f} s{r['step_s']:>20.2f} s{r['total_s']:>10.1f} s")
     if opts.json:
         keys = ("dim", "layers", "vocab", "steps", "every")
-        record = {"options": {k: getattr(opts, k) for k in keys}, "results": results}
+        record = {
+            "command": "python benchmarks/trainer_stall.py " + " ".join(sys.argv[1:]),
+            "options": {k: getattr(opts, k) for k in keys},
+            "results": results,
+        }
         Path(opts.json).write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -187,3 +187,30 @@ def test_trainer_stall_benchmark_small_and_its_docs_table(tmp_path):
         row = (f"| {names.get(mode, f'dcpkit `{mode}`')} | {r['stall_s']:.2f} s | "
                f"{r['step_s']:.2f} s | {r['total_s']:.1f} s |")  # fmt: skip
         assert row in page, row
+
+
+def test_the_pages_figures_come_from_their_results_files():
+    """Every marked figures block of README.md and docs/*.md is what its results file gives
+    (``benchmarks/figures.py``); one digit changed fails the check, naming the block; each
+    source names a script that exists and a results file in the tree."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import figures
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "figures.py"), "--check"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    shown = {
+        m.group(2) for page in figures.pages() for m in figures.BLOCK.finditer(page.read_text())
+    }
+    assert shown == set(figures.SOURCES)  # every source shown, every block sourced
+    for source in figures.SOURCES.values():
+        assert (ROOT / source.script).is_file() and (ROOT / source.results).is_file()
+    text = (ROOT / "docs" / "scale.md").read_text()
+    assert "| 1095 s, peak 2.71 GiB |" in text
+    problems = figures.check_text(text.replace("| 1095 s,", "| 1096 s,"), "docs/scale.md")
+    assert len(problems) == 1 and "'metadata_verify' differs" in problems[0], problems
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    problems = figures.check_text(text.replace("| 2.00 s |", "| 2.01 s |"), "integrations.md")
+    assert len(problems) == 1 and "'trainer_stall'" in problems[0], problems
