@@ -52,6 +52,7 @@ TESTED_TRL = ((1, 16), (1, 16))
 """The same for TRL, whose trainers are built on ``Trainer``."""
 STATE_KEY = "trainer_state"
 _JSON = "json"
+_PAD = 64 << 10
 
 
 def installed_version(package: str = "transformers") -> str:
@@ -113,6 +114,10 @@ class _TrainerState:
         raw = (
             json.dumps(dataclasses.asdict(self.trainer.state), indent=2, sort_keys=True) + "\n"
         ).encode()
+        # padded with spaces (JSON whitespace) to a multiple of 64 KiB, so that its shape, and
+        # with it the save's layout, stays the same from save to save: later saves reuse the
+        # first one's plans
+        raw += b" " * (-len(raw) % _PAD)
         return {_JSON: torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
