@@ -5,6 +5,7 @@ resumed run bitwise equal to an uninterrupted run's."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,9 @@ def trainer_run(out, *args: str, env: dict[str, str] | None = None, ok: bool = T
          str(ROOT / "examples" / "transformers_trainer.py"), str(out), *args],
         env=torchrun_env(env), capture_output=True, text=True, timeout=300, cwd=cwd,
     )  # fmt: skip
-    if ok:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if ok:  # each rank's error first: the launcher's own report follows it at length
+        errors = [x for x in proc.stderr.splitlines() if re.search(r"(Error|Exception)\b", x)]
+        assert proc.returncode == 0, "\n".join(errors[:20]) + proc.stderr[-3000:]
     else:
         assert proc.returncode != 0, "the run was to be killed"
     losses = {}

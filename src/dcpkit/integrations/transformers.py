@@ -27,6 +27,7 @@ construction.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import tempfile
@@ -138,9 +139,11 @@ class DcpkitTrainerMixin:
         given = kw.get("args") or (args[1] if len(args) > 1 else None)
         local = _missing_folders(getattr(given, "output_dir", None))
         super().__init__(*args, **kw)  # type: ignore[call-arg]
-        for folder in local:  # the Trainer makes output_dir, a URL, as a local folder: undone
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
+        # the Trainer's saving process makes output_dir, a URL, as a local folder: undone there
+        for folder in local if self.args.should_save else []:  # type: ignore[attr-defined]
+            with contextlib.suppress(OSError):  # another node's process may have removed it
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
         targs = self.args  # type: ignore[attr-defined]
         refused = [
             (targs.load_best_model_at_end, "load_best_model_at_end (it reloads a Trainer folder)"),
