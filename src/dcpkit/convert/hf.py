@@ -154,7 +154,7 @@ def to_hf(
                 1,
                 [MODEL],
                 pending.describe(pending.local_files()),
-                dtype=dtype_name(dtype or _dominant_dtype(out_dtype.values())),
+                dtype=dtype_name(dtype or dominant_dtype(out_dtype.values())),
                 source=f"{ckpt} ({family} {flavor})",
             )
             pending.write_manifest(manifest)
@@ -226,7 +226,7 @@ def write_hf_folder(
                 del t  # before the next block is read: one block held at a time
     writer.close()
     result.tensors, result.bytes = len(plan.pairs), writer.total_size
-    config_dtype = dtype or _dominant_dtype(out_dtype.values())
+    config_dtype = dtype or dominant_dtype(out_dtype.values())
     bos, eos = special_ids(tok, args)
     config = adapter.hf_config(args, config_dtype, bos, eos)
     if original_config is not None:
@@ -242,7 +242,8 @@ def write_hf_folder(
     return result, plan, out_dtype
 
 
-def _dominant_dtype(dtypes: Any) -> torch.dtype:
+def dominant_dtype(dtypes: Any) -> torch.dtype:
+    """The floating dtype most tensors have (a ``config.json``'s ``torch_dtype``)."""
     dtypes = [d for d in dtypes if d.is_floating_point] or [torch.float32]
     return max(set(dtypes), key=dtypes.count)
 
@@ -310,7 +311,7 @@ def from_hf(
                     1,
                     [MODEL],
                     pending.describe(pending.local_files()),
-                    dtype=dtype_name(_dominant_dtype(out_dtype.values())),
+                    dtype=dtype_name(dominant_dtype(out_dtype.values())),
                     source=f"{hf_dir} ({family} {flavor})",
                     model=model_record(family, src.config()),
                 )

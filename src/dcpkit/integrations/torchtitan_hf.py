@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dcpkit.convert.hf import dominant_dtype
 from dcpkit.convert.hf_files import TOKENIZER_FILES, write_json
 from dcpkit.convert.model_record import kept_config
 from dcpkit.formats.dcp import DCPCheckpoint, meta_tensor
@@ -82,14 +83,13 @@ class AdapterHF:
                 layout += [(name, tuple(t.shape), t.dtype) for name, t in hf.items()]
             meta = {"source": "dcpkit", "adapter": type(self.adapter).__name__}
             writer = SafetensorsWriter(out, layout, _SHARD_BYTES, metadata=meta)
-            dtypes = {d for _, _, d in layout}
             for group in groups:
                 hf = self.adapter.to_hf({k: src.read(k) for k in group})
                 for name, tensor in hf.items():
                     writer.write(name, tensor)
                 del hf
             writer.close()
-        self._write_assets(out, max(dtypes, key=lambda d: sum(d == x for _, _, x in layout)))
+        self._write_assets(out, dominant_dtype(d for _, _, d in layout))
 
     def _write_assets(self, out: Path, dtype: torch.dtype) -> None:
         config = self.config_json()
