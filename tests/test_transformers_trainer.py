@@ -149,6 +149,10 @@ def test_the_trainer_mixin_refuses_an_untested_transformers_and_options_it_canno
         return MyTrainer(model=model, args=args, eval_dataset=[{"input_ids": torch.zeros(4)}])
 
     assert build().dcpkit_config.keep_latest_k == 0
+    from dcpkit import CheckpointError
+
+    with pytest.raises(CheckpointError, match="is not a step of this run's folder"):
+        build().train(resume_from_checkpoint=str(tmp_path / "another-run" / "step-3"))
     assert build(save_total_limit=3).dcpkit_config.keep_latest_k == 3
     with pytest.raises(ConfigError, match="save_total_limit = 1 would delete"):
         build(save_total_limit=1)

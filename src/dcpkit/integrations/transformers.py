@@ -214,6 +214,17 @@ class DcpkitTrainerMixin:
                         f"step-N folder of {store.root}"
                     )
                 step = int(name[5:])
+                given, own = str(resume_from_checkpoint), store.location(step_name(step))
+                mine = local_path(own)
+                if mine is None:
+                    same = given.rstrip("/") == own
+                else:
+                    same = Path(given).resolve() == mine.resolve()
+                if not same:  # a step of another folder: never this folder's step of that number
+                    raise CheckpointError(
+                        f"resume_from_checkpoint={given!r} is not a step of this run's folder "
+                        f"{store.root}: give True or one of its step-N folders"
+                    )
             resume_from_checkpoint = self._resume_folder(store, step)
         try:
             return super().train(resume_from_checkpoint, *args, **kw)  # type: ignore[misc]
@@ -240,7 +251,12 @@ class DcpkitTrainerMixin:
                     "Trainer integration"
                 )
             raw = bytes(src.read(key).numpy().tobytes())
-        json.loads(raw)  # a JSON document, or the error names it below
+        try:
+            json.loads(raw)
+        except ValueError as e:
+            raise CheckpointError(
+                f"{store.location(name)}: its {key} is not a JSON document ({e})"
+            ) from None
         folder = tempfile.TemporaryDirectory(prefix="dcpkit-resume-")
         (Path(folder.name) / TRAINER_STATE_NAME).write_bytes(raw)
         self._dcpkit_resume = (step, folder)
