@@ -11,7 +11,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dcpkit"
 UTILITIES = {"dcpkit", "dcpkit.dist", "dcpkit.failpoints", "dcpkit.layout", "dcpkit.manifest"}
-UTILITIES |= {"dcpkit.units", "dcpkit.errors", "dcpkit.safe_pickle"}
+UTILITIES |= {"dcpkit.units", "dcpkit.errors", "dcpkit.safe_pickle", "dcpkit.console"}
 
 
 def _modules() -> dict[str, Path]:

@@ -7,6 +7,7 @@ from dcpkit.convert.hf_model import HFModel
 from dcpkit.engine.manager import CheckpointManager
 from dcpkit.engine.preempt import EXIT_PREEMPTED
 from dcpkit.errors import CheckpointError, CorruptCheckpoint
+from dcpkit.readers import follow, reading
 
 __all__ = [
     "EXIT_PREEMPTED",
@@ -17,4 +18,6 @@ __all__ = [
     "CorruptCheckpoint",
     "HFModel",
     "__version__",
+    "follow",
+    "reading",
 ]

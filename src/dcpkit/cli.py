@@ -54,7 +54,7 @@ def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
 
     from dcpkit.tools.inspect import format_inspect, inspect_path
 
-    info = inspect_path(args.path, trust_pickle=args.trust_pickle)
+    info = inspect_path(args.path, trust_pickle=args.trust_pickle, step=args.step)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -65,35 +65,18 @@ def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
     from dcpkit.tools.verify import report_lines, verify_path
 
-    report = verify_path(args.path, checksums=not args.quick)
+    report = verify_path(args.path, checksums=not args.quick, step=args.step)
     print("\n".join(report_lines(report)))
     return 0 if report.ok else 1
 
 
 def _cmd_diff(args: argparse.Namespace, rest: list[str]) -> int:
-    from dcpkit.tools.diff import diff_paths
+    from dcpkit.tools.diff import diff_lines, diff_paths
 
     result = diff_paths(
         args.a, args.b, family=args.model, budget=_budget(args), trust_pickle=args.trust_pickle
     )
-    for note in result.notes:
-        print(f"note: {note}")
-    for name in result.only_a:
-        print(f"only in A: {name}")
-    for name in result.only_b:
-        print(f"only in B: {name}")
-    for change in result.changed:
-        print(f"changed:   {change}")
-    differing = result.differing(args.atol)
-    for t in differing:
-        print(f"differs:   {t.name}  max |a - b| = {t.max_abs_diff:.6g}")
-    equal = sum(t.equal for t in result.tensors)
-    close = len(result.tensors) - equal - len(differing)
-    print(
-        f"{len(result.tensors)} tensors compared: {equal} identical, {close} within atol "
-        f"{args.atol:g}, {len(differing)} differ; {len(result.only_a)} only in A, "
-        f"{len(result.only_b)} only in B, {len(result.changed)} changed shape or dtype"
-    )
+    print("\n".join(diff_lines(result, args.atol)))
     return 0 if result.same(args.atol) else 1
 
 
@@ -114,6 +97,7 @@ def _cmd_to_torch(args: argparse.Namespace, rest: list[str]) -> int:
         model_only=args.model_only,
         force=args.force,
         budget=_budget(args),
+        step=args.step,
     )
     _report(result, "to-torch")
     return 0
@@ -143,11 +127,9 @@ def _cmd_to_hf(args: argparse.Namespace, rest: list[str]) -> int:
         raise CLIError("to-hf takes --flavor or --config (the model's config.json), not both")
     if args.model == "hf" and not args.config:
         raise CLIError("to-hf --model hf needs the model's config.json: --config CONFIG_JSON")
-    result = to_hf(
-        ckpt,
-        out,
-        args.model,
-        args.config or args.flavor,
+    options = dict(
+        family=args.model,
+        flavor=args.config or args.flavor,
         tokenizer=args.tokenizer,
         dtype=parse_dtype(args.dtype),
         max_shard_size=args.max_shard_size,
@@ -155,7 +137,17 @@ def _cmd_to_hf(args: argparse.Namespace, rest: list[str]) -> int:
         force=args.force,
         budget=_budget(args),
     )
-    _report(result, "to-hf")
+    if args.follow:
+        from dcpkit.convert.hf_follow import to_hf_following
+
+        if args.step is not None:
+            raise CLIError("to-hf --follow exports every step as it comes: no --step with it")
+        done = to_hf_following(
+            ckpt, out, poll_s=args.poll, on_result=lambda name, r: _report(r, "to-hf"), **options
+        )
+        print(f"to-hf --follow: {len(done)} step(s) exported into {out}")
+        return 0
+    _report(to_hf(ckpt, out, step=args.step, **options), "to-hf")
     return 0
 
 
@@ -217,6 +209,16 @@ def _add_trust_pickle(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_step(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--step",
+        metavar="N|latest",
+        help="the checkpoint path is a checkpoint folder: read its step N, or `latest` (the "
+        "newest published step that verifies; PATH/latest says the same); held against the "
+        "run's retention while read",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dcpkit",
@@ -245,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model's parameters only, ready for model.load_state_dict",
     )
     _add_common_convert(p)
+    _add_step(p)
     p.set_defaults(func=_cmd_to_torch, passthrough=False)
 
     p = sub.add_parser("from-torch", help="one torch.save file -> DCP checkpoint (streaming)")
@@ -283,6 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="read every tensor back and compare logits with transformers",
     )
     _add_common_convert(p)
+    _add_step(p)
+    p.add_argument(
+        "--follow",
+        action="store_true",
+        help="CKPT is the checkpoint folder of a run: export each step as the run publishes it, "
+        "into OUT/step-N, until the run finishes (the steps not yet exported are held against "
+        "its retention)",
+    )
+    p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_to_hf, passthrough=False)
 
     p = sub.add_parser("from-hf", help="Hugging Face safetensors folder -> DCP checkpoint")
@@ -299,11 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output (stable)")
     p.add_argument("--all", action="store_true", help="list every tensor")
     _add_trust_pickle(p)
+    _add_step(p)
     p.set_defaults(func=_cmd_inspect, passthrough=False)
 
     p = sub.add_parser("verify", help="recompute checksums and check structure; exit 1 if bad")
     p.add_argument("path")
     p.add_argument("--quick", action="store_true", help="sizes and structure only, no checksums")
+    _add_step(p)
     p.set_defaults(func=_cmd_verify, passthrough=False)
 
     p = sub.add_parser("diff", help="compare two checkpoints tensor by tensor (across formats)")

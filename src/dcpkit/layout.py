@@ -29,6 +29,9 @@ HF_SINGLE = "model.safetensors"
 HF_FILES = frozenset({HF_INDEX, HF_SINGLE})
 """Either makes a folder a Hugging Face safetensors folder (an index, or a single file)."""
 
+LEASE = ".dcpkit-lease"
+"""The lease of the run saving into a checkpoint folder (see ``engine.lease``)."""
+
 STEP_PREFIX = "step-"
 STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 TEMP_PREFIX = ".tmp-"

@@ -31,6 +31,7 @@ from dcpkit.formats.safetensors import SafetensorsFolder, SafetensorsWriter
 from dcpkit.formats.structure import refuse_broken
 from dcpkit.layout import MODEL, dtype_name
 from dcpkit.manifest import build_manifest
+from dcpkit.readers import held_view
 from dcpkit.storage import open_checkpoint
 from dcpkit.units import human_bytes, parse_size
 
@@ -95,14 +96,17 @@ def to_hf(
     force: bool = False,
     budget: int = DEFAULT_BUDGET,
     storage_options: dict[str, Any] | None = None,
+    step: int | str | None = None,
 ) -> ConversionResult:
     """Export the model of a DCP checkpoint (a folder or a URL) as a Hugging Face folder.
 
     ``family``: None infers it from the checkpoint's parameter names (said in the notes);
-    ``flavor`` is a flavor name or the model's args (for family ``hf``: its config.json)."""
+    ``flavor`` is a flavor name or the model's args (for family ``hf``: its config.json).
+    ``step`` (a number or ``latest``): ``ckpt`` is a checkpoint folder. The step read is held
+    against the run's retention until the export is written."""
     start = time.perf_counter()
     with (
-        open_checkpoint(ckpt, storage_options) as view,
+        held_view(ckpt, storage_options, step=step, purpose="to-hf") as view,
         DCPCheckpoint(view.path, view.opener) as src,
     ):
         refuse_broken(view)

@@ -22,6 +22,7 @@ from dcpkit.formats.torchfile import TensorRef, TorchSaveFile, UnsupportedConten
 from dcpkit.formats.torchfile_write import TensorSpec, TorchSaveWriter
 from dcpkit.layout import MODEL, is_model_key
 from dcpkit.manifest import build_manifest
+from dcpkit.readers import held_view
 from dcpkit.storage import open_checkpoint
 
 
@@ -32,11 +33,13 @@ def to_torch(
     force: bool = False,
     budget: int = DEFAULT_BUDGET,
     storage_options: dict[str, Any] | None = None,
+    step: int | str | None = None,
 ) -> ConversionResult:
-    """Write a DCP checkpoint (a folder or a URL) as one ``torch.save`` file."""
+    """Write a DCP checkpoint (a folder or a URL; or a checkpoint folder with ``step``, a
+    number or ``latest``) as one ``torch.save`` file, holding the step read against retention."""
     start = time.perf_counter()
     with (
-        open_checkpoint(ckpt, storage_options) as view,
+        held_view(ckpt, storage_options, step=step, purpose="to-torch") as view,
         DCPCheckpoint(view.path, view.opener) as src,
     ):
         refuse_broken(view)

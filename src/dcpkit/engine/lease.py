@@ -23,10 +23,11 @@ import weakref
 from typing import Any
 
 from dcpkit.errors import CheckpointError
+from dcpkit.layout import LEASE
 
 logger = logging.getLogger(__name__)
 
-LEASE = ".dcpkit-lease"
+__all__ = ["LEASE", "Lease", "check_free", "check_lease", "release_folder", "take_lease"]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -42,7 +43,7 @@ def _pid_alive(pid: int) -> bool:
 class Lease:
     """The lease of ``store`` for this run (rank 0 only)."""
 
-    def __init__(self, store: Any, timeout_s: float) -> None:
+    def __init__(self, store: Any, timeout_s: float, memory_every: int = 0) -> None:
         self.store, self.timeout_s = store, timeout_s
         self.record = {
             "run_id": uuid.uuid4().hex,
@@ -50,6 +51,8 @@ class Lease:
             "pid": os.getpid(),
             "started": time.time(),
             "heartbeat": time.time(),
+            "timeout_s": timeout_s,  # for readers following the run: when it is gone
+            "memory_every": memory_every,  # memory-tier saves between durable ones (readers)
         }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -200,7 +203,8 @@ def take_lease(store: Any, timeout_s: float, owner: Any = None) -> Lease | None:
     if owner is not None:
         _claim(store, owner, claim=True)
 
-    lease = Lease(store, timeout_s) if dist.rank() == 0 else None
+    memory_every = getattr(getattr(owner, "config", None), "local_interval", 0) or 0
+    lease = Lease(store, timeout_s, memory_every) if dist.rank() == 0 else None
     error = dist.first_rank_error(lease.acquire if lease else lambda: None, (CheckpointError,))
     if error:
         raise CheckpointError(error)

@@ -24,10 +24,12 @@ from dcpkit.layout import (
     METADATA,
     METADATA_INDEX,
     RANK_FILE,
+    parse_step,
     step_name,
 )
 from dcpkit.manifest import CHECKSUM_ALGORITHM
 from dcpkit.storage import StoreError, open_location
+from dcpkit.storage.holds import Hold, StepGone, hold_step
 
 logger = logging.getLogger(__name__)
 
@@ -300,7 +302,28 @@ def restore_verified(
     ``storage_retry_s`` (every rank together)."""
     what = f"loading {plan.location}"
     once = functools.partial(_restore_verified, plan, config, store, restore)
-    return retrying(once, config.storage_retry_s, what)
+    hold = _hold(plan) if dist.rank() == 0 else None
+    try:
+        loaded = retrying(once, config.storage_retry_s, what)
+        dist.barrier()  # every rank has read it: the hold may go
+        return loaded
+    finally:
+        if hold is not None:
+            hold.release()
+
+
+def _hold(plan: LoadPlan) -> Hold | None:
+    """Rank 0: hold the step a load reads against the retention of the run saving into its
+    folder (another run's, with ``initial_load_path`` or ``load_only``): None when it is no
+    step, or cannot be held (the load then says what is missing)."""
+    step = parse_step(plan.name or "")
+    if step is None:
+        return None
+    try:
+        return hold_step(plan.store, step, "load")
+    except (StepGone, OSError) as e:
+        logger.warning("checkpoint: %s is not held against retention: %s", plan.location, e)
+        return None
 
 
 def _restore_verified(

@@ -2,12 +2,10 @@
 store says where checkpoints live (``dcpkit.storage``), the policy when to save and what to load
 (``policy``), and ``load`` / ``restore`` / ``save`` do the work.
 
-Save path: states collected (DTensors stay sharded) -> DCP writes a pending step -> every rank
-checksums its own files -> rank 0 writes the manifest and publishes ``step-N`` -> old steps are
-deleted in the background. Load path: the latest published step (or ``load_step``) -> verified
-(``verify_on_load``) -> a template of the current state -> ``dcp.load`` reshards into it -> each
-piece restores itself.
-"""
+Save path: states collected (DTensors stay sharded) -> DCP writes a pending step -> each rank
+checksums its files -> rank 0 writes the manifest, publishes ``step-N`` -> old steps are deleted
+in the background (not those readers hold). Load path: the latest published step (or
+``load_step``) -> verified -> a template of the state -> ``dcp.load`` reshards into it."""
 
 from __future__ import annotations
 
@@ -32,8 +30,9 @@ from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.restore import HFCodec, restore
 from dcpkit.engine.save import Saver, check_config, check_replacement, collect, mesh_info
 from dcpkit.engine.states import ModelState, Stateful, check_same_on_every_rank, collect_states
+from dcpkit.engine.together import held_everywhere
 from dcpkit.layout import MODEL, RNG, step_name
-from dcpkit.storage import open_location, open_store
+from dcpkit.storage import open_store
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +136,14 @@ class CheckpointManager:
             self._saver.resumed(read, plan.step)
         return plan.step
 
-    def load_from(self, path: str | Path, model_only: bool = False) -> list[str]:
-        """Load the checkpoint at ``path`` (a folder or a URL) into the current state, at any
-        world size. Returns the names of the state pieces restored."""
-        store, name = open_location(path, self.config.storage_options)
-        return self._restore(store, name, model_only)
+    def load_from(
+        self, path: str | Path, model_only: bool = False, step: int | str | None = None
+    ) -> list[str]:
+        """Load the checkpoint at ``path`` (a folder or a URL; with ``step``, a number or
+        ``latest``, a checkpoint folder) into the current state, at any world size, held against
+        that run's retention meanwhile. Returns the names of the state pieces restored."""
+        with held_everywhere(path, step, self.config.storage_options, "load") as (store, name):
+            return self._restore(store, name, model_only)
 
     @dist.paused_gc()
     def _restore(
@@ -165,10 +167,10 @@ class CheckpointManager:
             **reader,
         )
 
-    def verify(self, path: str | Path) -> list[str]:
+    def verify(self, path: str | Path, step: int | str | None = None) -> list[str]:
         """Problems with the checkpoint at ``path`` (ranks split the checksums); empty if intact."""
-        store, name = open_location(path, self.config.storage_options)
-        return load_plan.verify_everywhere(store, name, require_commit=False)
+        with held_everywhere(path, step, self.config.storage_options, "verify") as (store, name):
+            return load_plan.verify_everywhere(store, name, require_commit=False)
 
     def should_save(self, step: int, last_step: bool = False, force: bool = False) -> bool:
         cfg = self.config

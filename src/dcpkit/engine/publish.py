@@ -27,6 +27,7 @@ from dcpkit.errors import CheckpointError, disk_full, first_failure
 from dcpkit.formats.dcp_index_write import encode_index
 from dcpkit.layout import METADATA, METADATA_INDEX, step_name
 from dcpkit.manifest import CHECKSUM_ALGORITHM, build_manifest
+from dcpkit.storage.holds import delete_unless_held, describe
 from dcpkit.units import human_bytes
 
 logger = logging.getLogger(__name__)
@@ -284,8 +285,35 @@ def _state_bytes(state: Any) -> int:
     return 0
 
 
+_KEPT_FOR_READERS: set[tuple[str, int]] = set()  # (folder, step) retention left to a reader
+
+
 def delete_steps(store: Any, steps: list[int]) -> None:
+    """Delete ``steps``, except those a reader holds (see ``storage.holds``): each of those is
+    kept, and deleted once released, by the last reader to let it go or at a later save. Both
+    are logged."""
+    removed, released = [], []
     for step in steps:
-        store.delete(step_name(step))
-    if steps:
-        logger.info("checkpoint: retention removed step %s", ", ".join(map(str, steps)))
+        holders = delete_unless_held(store, step, store.delete)
+        if holders:
+            if (store.root, step) not in _KEPT_FOR_READERS:
+                logger.info(
+                    "checkpoint: retention keeps step %d while %d reader(s) hold it: %s; it is "
+                    "deleted once released (by the last reader, or at a later save)",
+                    step,
+                    len(holders),
+                    "; ".join(describe(h) for h in holders),
+                )
+            _KEPT_FOR_READERS.add((store.root, step))
+            continue
+        removed.append(step)
+        if (store.root, step) in _KEPT_FOR_READERS:
+            _KEPT_FOR_READERS.discard((store.root, step))
+            released.append(step)
+    if removed:
+        after = f" ({', '.join(map(str, released))} kept until readers released it)"
+        logger.info(
+            "checkpoint: retention removed step %s%s",
+            ", ".join(map(str, removed)),
+            after if released else "",
+        )

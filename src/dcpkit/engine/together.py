@@ -7,14 +7,17 @@ store may get over (``transient``) is a ``StoreUnavailable``: the load retries i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from dcpkit import dist
 from dcpkit.engine.publish import transient
 from dcpkit.errors import CheckpointError, CorruptCheckpoint, describe_error
+from dcpkit.readers import open_reading
+from dcpkit.storage import open_location
 
 logger = logging.getLogger(__name__)
 
@@ -85,3 +88,28 @@ def retrying(fn: Callable[[], T], retry_s: float, what: str) -> T:
                 logger.warning("checkpoint: %s: %s; retrying in %.0fs", what, e, delay)
             time.sleep(delay)
             delay = min(2 * delay, 30.0)
+
+
+@contextlib.contextmanager
+def held_everywhere(
+    path: Any, step: int | str | None, storage_options: dict[str, Any] | None, purpose: str
+) -> Iterator[tuple[Any, str]]:
+    """Every rank: ``(store, name)`` of what ``path`` (with ``step``: see ``open_reading``)
+    names, resolved and held against its run's retention by rank 0, until every rank has read
+    it; a failure to resolve it raises on every rank."""
+    held = None
+    if dist.rank() == 0:
+        try:
+            held = open_reading(path, step, purpose, storage_options)
+            chosen: tuple[str | None, tuple[str, str] | None] = (held.location, None)
+        except Exception as e:
+            chosen = (None, failure_of(e, str(path)))
+    location, failure = dist.broadcast_object(chosen if dist.rank() == 0 else None)
+    if failure is not None:
+        raise_failure(*failure)
+    try:
+        yield open_location(location, storage_options)
+        dist.barrier()  # every rank has read it: the hold may go
+    finally:
+        if held is not None:
+            held.release()

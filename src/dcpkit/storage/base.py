@@ -180,8 +180,15 @@ class CheckpointStore(ABC):
     def open_read(self, name: str) -> BinaryIO: ...
 
     @abstractmethod
-    def write_bytes(self, name: str, data: bytes) -> None:
-        """Write a whole (small) file durably."""
+    def write_bytes(self, name: str, data: bytes, durable: bool = True) -> None:
+        """Write a whole (small) file, at once; ``durable``: on stable storage when this
+        returns (a marker that lives seconds, rewritten often, need not: its sync would wait
+        for every other dirty page of the file system, a save's among them)."""
+
+    def remove_empty_folder(self, name: str) -> None:
+        """Remove folder ``name`` if it is empty, in one step (nothing on an object store,
+        where folders are only prefixes)."""
+        return None
 
     @abstractmethod
     def remove(self, name: str) -> None:

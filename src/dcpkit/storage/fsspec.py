@@ -122,7 +122,8 @@ class FsspecStore(CheckpointStore):
             return []
         except Exception as e:
             raise StoreError(self._explain(self.location(folder), e)) from None
-        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+        own = self._p(folder).rstrip("/")  # an emptied folder may list its own key
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != own)
 
     def stat(self, name: str) -> FileStat | None:
         self.fs.invalidate_cache()
@@ -155,7 +156,7 @@ class FsspecStore(CheckpointStore):
         except FileNotFoundError:
             return None, []
 
-    def write_bytes(self, name: str, data: bytes) -> None:
+    def write_bytes(self, name: str, data: bytes, durable: bool = True) -> None:
         with self.fs.open(self._p(name), "wb") as f:
             f.write(data)
 

@@ -20,6 +20,7 @@ import ctypes
 import errno
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -99,12 +100,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+def write_durably(path: Path, data: bytes, sync: bool = True) -> None:
+    """``data`` as the whole of ``path``, replaced in one rename (synced first with ``sync``)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -175,9 +178,19 @@ class LocalStore(CheckpointStore):
         with open(self._p(name), "rb") as f:
             return checksum_stream(f)
 
-    def write_bytes(self, name: str, data: bytes) -> None:
-        self._p(name).parent.mkdir(parents=True, exist_ok=True)
-        write_durably(self._p(name), data)
+    def write_bytes(self, name: str, data: bytes, durable: bool = True) -> None:
+        for attempt in range(3):
+            self._p(name).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                write_durably(self._p(name), data, sync=durable)
+                return
+            except FileNotFoundError:  # its folder removed as it was emptied by another process
+                if attempt == 2:
+                    raise
+
+    def remove_empty_folder(self, name: str) -> None:
+        with contextlib.suppress(OSError):  # not empty (someone wrote into it), or gone
+            os.rmdir(self._p(name))
 
     def remove(self, name: str) -> None:
         _remove_path(self._p(name))

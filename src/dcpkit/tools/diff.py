@@ -21,7 +21,7 @@ from dcpkit.formats.blocks import recycled_blocks
 from dcpkit.formats.sources import HF, open_source
 from dcpkit.formats.structure import refuse_broken
 from dcpkit.layout import is_model_key
-from dcpkit.storage import open_checkpoint
+from dcpkit.readers import held_view
 
 
 @dataclass
@@ -96,8 +96,8 @@ def diff_paths(
     between a checkpoint and a Hugging Face folder; None infers it (from the checkpoint's
     parameter names and the folder's ``config.json``) and says so in the notes."""
     with (
-        open_checkpoint(a, storage_options) as va,
-        open_checkpoint(b, storage_options) as vb,
+        held_view(a, storage_options, purpose="diff") as va,
+        held_view(b, storage_options, purpose="diff") as vb,
     ):
         for view in (va, vb):
             refuse_broken(view)
@@ -188,3 +188,21 @@ class _Renamed:
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self.source.read(self.canon[name], rows)
+
+
+def diff_lines(result: DiffResult, atol: float) -> list[str]:
+    """What ``dcpkit diff`` prints: notes, what differs, and a summary line."""
+    lines = [f"note: {note}" for note in result.notes]
+    lines += [f"only in A: {name}" for name in result.only_a]
+    lines += [f"only in B: {name}" for name in result.only_b]
+    lines += [f"changed:   {change}" for change in result.changed]
+    differing = result.differing(atol)
+    lines += [f"differs:   {t.name}  max |a - b| = {t.max_abs_diff:.6g}" for t in differing]
+    equal = sum(t.equal for t in result.tensors)
+    close = len(result.tensors) - equal - len(differing)
+    lines.append(
+        f"{len(result.tensors)} tensors compared: {equal} identical, {close} within atol "
+        f"{atol:g}, {len(differing)} differ; {len(result.only_a)} only in A, "
+        f"{len(result.only_b)} only in B, {len(result.changed)} changed shape or dtype"
+    )
+    return lines

@@ -25,7 +25,7 @@ from typing import Any
 from dcpkit.formats.sources import DCP, open_source
 from dcpkit.integrity import verify_checkpoint
 from dcpkit.layout import NON_MODEL_GROUPS, RANK_FILE, is_model_key, parse_step
-from dcpkit.storage import open_location
+from dcpkit.readers import reading
 from dcpkit.units import human_bytes
 
 
@@ -40,13 +40,19 @@ def _group(name: str, groups: frozenset[str]) -> str:
 
 
 def inspect_path(
-    path: str | Path, storage_options: dict[str, Any] | None = None, trust_pickle: bool = False
+    path: str | Path,
+    storage_options: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
+    step: int | str | None = None,
 ) -> dict[str, Any]:
-    """A description of the checkpoint at ``path``, a folder, file or URL (the JSON schema
-    above). Reads metadata only: a remote checkpoint is not downloaded."""
-    store, name = open_location(path, storage_options)
-    with store.view(name, data=False) as view:
-        return _describe(store, name, view.path, view.location, trust_pickle)
+    """A description of the checkpoint at ``path``, a folder, file or URL, or a checkpoint
+    folder with ``step`` (a number or ``latest``) (the JSON schema above). Reads metadata only:
+    a remote checkpoint is not downloaded. A step is held against retention meanwhile."""
+    with (
+        reading(path, step, "inspect", storage_options) as held,
+        held.store.view(held.name, data=False) as view,
+    ):
+        return _describe(held.store, held.name, view.path, view.location, trust_pickle)
 
 
 def _describe(store: Any, entry: str, p: Path, location: str, trust_pickle: bool) -> dict[str, Any]:

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from dcpkit.integrity import verify_checkpoint
+from dcpkit.layout import parse_step
 from dcpkit.storage import StepEntry, open_store
+from dcpkit.storage.holds import StepGone, describe, held_steps, hold_step
 from dcpkit.units import human_bytes
 
 
@@ -24,6 +26,8 @@ class Listing:
     """This node's memory-tier folder of the run, when it has one."""
     memory: dict[str, list[int]] | None = None
     """``{"rank-K" | "replica-of-K": [published steps]}`` in that folder."""
+    held: int = 0
+    """How many of its steps readers hold (retention keeps them until released)."""
 
 
 def memory_tier(durable_root: str, local_folder: str | None = None) -> tuple[str, dict]:
@@ -59,18 +63,43 @@ def list_checkpoints(
             f"{store.root} is not a folder; pass the folder that holds step-N checkpoints"
         )
     entries = store.entries()
+    held = held_steps(store, [e.step for e in entries if e.published and e.step is not None])
     checked = "sizes, structure and checksums" if checksums else "sizes and structure"
     for entry in entries:
         if entry.published:
-            report = verify_checkpoint(store, entry.name, checksums=checksums)
-            if not report.ok:
-                entry.status = f"CORRUPT ({report.problems[0]})"
-            elif report.files_checked:
-                entry.status += f"; {checked} verified"
-            else:
-                entry.status += "; structure verified (no manifest: no sizes or checksums)"
+            _verify(store, entry, checksums, checked)
+        readers = held.get(entry.step, []) if entry.published else []
+        if readers:
+            entry.status += f"; held by {len(readers)} reader(s): " + "; ".join(
+                describe(r) for r in readers
+            )
     memory_root, memory = memory_tier(store.root, local_folder)
-    return Listing(store.root, entries, memory_root if memory else None, memory or None)
+    listing = Listing(store.root, entries, memory_root if memory else None, memory or None)
+    listing.held = len(held)
+    return listing
+
+
+def _verify(store: Any, entry: StepEntry, checksums: bool, checked: str) -> None:
+    """Verify a published entry, held against the run's retention meanwhile."""
+    try:
+        step = parse_step(entry.name)
+        hold = hold_step(store, step, "list") if step is not None else None
+    except StepGone:
+        entry.status = "deleted by retention while listed"
+        return
+    except Exception:  # a folder this reader may not write to: verified without a hold
+        hold = None
+    try:
+        report = verify_checkpoint(store, entry.name, checksums=checksums)
+    finally:
+        if hold is not None:
+            hold.release()
+    if not report.ok:
+        entry.status = f"CORRUPT ({report.problems[0]})"
+    elif report.files_checked:
+        entry.status += f"; {checked} verified"
+    else:
+        entry.status += "; structure verified (no manifest: no sizes or checksums)"
 
 
 def _human_age(seconds: float) -> str:
@@ -99,6 +128,8 @@ def listing_lines(listing: Listing) -> list[str]:
         step = "" if row.step is None else str(row.step)
         age = _human_age(now - row.mtime) if row.mtime is not None else "-"
         lines.append(f"{row.name:<18} {step:>8} {human_bytes(row.size):>10} {age:>6}  {row.status}")
+    if listing.held:
+        lines.append(f"{listing.held} step(s) held by readers: retention keeps them until released")
     return lines + memory
 
 

@@ -6,16 +6,22 @@ from pathlib import Path
 from typing import Any
 
 from dcpkit.integrity import VerifyReport, verify_checkpoint
-from dcpkit.storage import open_location
+from dcpkit.readers import reading
 
 
 def verify_path(
-    path: str | Path, checksums: bool = True, storage_options: dict[str, Any] | None = None
+    path: str | Path,
+    checksums: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    step: int | str | None = None,
 ) -> VerifyReport:
-    """Check the checkpoint at ``path`` (a folder, a file or a URL): manifest sizes and
-    checksums, and the format's own structure. A remote checkpoint is checked in place."""
-    store, name = open_location(path, storage_options)
-    return verify_checkpoint(store, name, checksums=checksums)
+    """Check the checkpoint at ``path`` (a folder, a file or a URL; or a checkpoint folder with
+    ``step``, a number or ``latest``): manifest sizes and checksums, and the format's own
+    structure. A remote checkpoint is checked in place; a step is held against retention."""
+    with reading(path, step, "verify", storage_options) as held:
+        report = verify_checkpoint(held.store, held.name, checksums=checksums)
+        report.notes[:0] = held.notes
+        return report
 
 
 def report_lines(report: VerifyReport) -> list[str]:

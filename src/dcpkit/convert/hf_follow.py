@@ -1,0 +1,51 @@
+"""``dcpkit to-hf RUN OUT --follow``: export each step a run publishes, as it is published, one
+Hugging Face folder per step (``OUT/step-N``), until the run finishes. The steps not yet
+exported are held (see ``storage.follow``), so retention never deletes one first. A step whose
+folder is already in ``OUT`` (an earlier follow) is not exported again."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dcpkit.console import summary
+from dcpkit.convert.hf import ConversionResult, to_hf
+from dcpkit.readers import follow
+from dcpkit.storage import open_store
+
+logger = logging.getLogger(__name__)
+
+
+def to_hf_following(
+    run: str | Path,
+    out: str | Path,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    poll_s: float = 1.0,
+    wait_s: float | None = None,
+    on_result: Callable[[str, ConversionResult], None] | None = None,
+    **to_hf_options: Any,
+) -> dict[str, ConversionResult]:
+    """Export every step of the run saving into ``run`` to ``out/step-N`` (``to_hf_options``:
+    those of ``to_hf``, applied to each), in order, until the run finishes. Returns the exports
+    made, by step name; ``on_result(name, result)`` is called after each."""
+    outputs = open_store(out, storage_options)
+    done: dict[str, ConversionResult] = {}
+    steps = follow(run, storage_options, purpose="to-hf --follow", poll_s=poll_s, wait_s=wait_s)
+    for held in steps:
+        if outputs.exists(held.name) and outputs.list_names(held.name):
+            summary(logger, f"to-hf: {outputs.location(held.name)} exists: exported before")
+            continue
+        result = to_hf(
+            held.location,
+            outputs.location(held.name),
+            storage_options=storage_options,
+            **to_hf_options,
+        )
+        result.notes += held.notes
+        done[held.name] = result
+        if on_result is not None:
+            on_result(held.name, result)
+    return done

@@ -1,0 +1,338 @@
+"""Readers hold what they read: a step being loaded, verified or exported is never deleted by the
+run's retention under it.
+
+A reader (``dcpkit verify``, ``to-hf``, a load, an evaluation job that follows the run) writes a
+hold into the checkpoint folder, ``.dcpkit-holds/hold-ID.json``: host, pid, what it does, the
+step (or, for a follower, every step from one on), a heartbeat renewed by a background thread,
+and how long the hold lasts without one (``expires_s``; a reader killed outright stops holding
+after that). Markers work on every store, local or object store, across hosts.
+
+Retention deletes a step only when no live hold covers it, by a protocol with no window: the
+deleter writes ``deleting-step-N.json`` and then reads the holds; a reader writes its hold and
+then reads the deleting markers and checks that the step is still published. Whichever writes
+second sees the other's marker: the deleter keeps the step (it is deleted at a later save, once
+released), or the reader lets go and chooses again. A reader never blocks a save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from dcpkit.console import summary
+from dcpkit.layout import parse_step, step_name
+
+logger = logging.getLogger(__name__)
+
+HOLDS = ".dcpkit-holds"
+DELETING = "deleting-"
+KEPT = "kept-"
+"""``kept-step-N.json``: retention would have deleted step N but a reader held it; the last
+reader to let go deletes it (the run may have ended: no later save would)."""
+HOLD_PREFIX = "hold-"
+DEFAULT_EXPIRY_S = 60.0
+STALE_DELETING_S = 600.0
+"""A deleting marker older than this was left by a deleter that died before removing it."""
+MAX_RECORD = 64 * 1024
+
+
+def expiry_s() -> float:
+    """How long a hold lasts without a heartbeat: ``DCPKIT_HOLD_EXPIRY_S``, else 60 s."""
+    text = os.environ.get("DCPKIT_HOLD_EXPIRY_S", "")
+    try:
+        value = float(text) if text else DEFAULT_EXPIRY_S
+    except ValueError:
+        raise ValueError(f"DCPKIT_HOLD_EXPIRY_S = {text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"DCPKIT_HOLD_EXPIRY_S must be > 0, got {text}")
+    return value
+
+
+class StepGone(Exception):
+    """The step is no longer published (retention deleted it, or is deleting it)."""
+
+
+def _read_record(store: Any, name: str) -> dict[str, Any] | None:
+    """A marker's JSON, bounded; None when it is gone, too large or not a JSON object."""
+    try:
+        st = store.stat(name)
+        if st is None or st.size > MAX_RECORD:
+            return None
+        record = json.loads(store.read_bytes(name))
+    except (OSError, ValueError):
+        return None
+    except Exception as e:  # a store error other than a vanished file: unreadable, skip it
+        logger.debug("checkpoint: unreadable marker %s: %s", store.location(name), e)
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _alive(record: dict[str, Any], now: float) -> bool:
+    beat, expires = record.get("heartbeat"), record.get("expires_s")
+    if not isinstance(beat, int | float) or not isinstance(expires, int | float):
+        return False
+    return now - beat < expires
+
+
+def live_holds(store: Any) -> list[dict[str, Any]]:
+    """Every hold in ``store``'s folder whose heartbeat is fresh (expired ones are left alone:
+    a reader whose heartbeat is late may still be reading; they stop counting, nothing else)."""
+    now = time.time()
+    holds = []
+    for name in store.list_names(HOLDS):
+        if name.startswith(HOLD_PREFIX) and name.endswith(".json"):
+            record = _read_record(store, f"{HOLDS}/{name}")
+            if record is not None and _alive(record, now):
+                holds.append(record)
+    return holds
+
+
+def covers(record: dict[str, Any], step: int) -> bool:
+    """Whether the hold ``record`` holds ``step``."""
+    if isinstance(record.get("from"), int):
+        return step >= record["from"]
+    return record.get("step") == step
+
+
+def held_steps(store: Any, steps: list[int]) -> dict[int, list[dict[str, Any]]]:
+    """``{step: [holds]}`` for the ``steps`` some live reader holds."""
+    holds = live_holds(store)
+    found = {s: [h for h in holds if covers(h, s)] for s in steps}
+    return {s: h for s, h in found.items() if h}
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One holder, for a log line: what it does, where, and its last heartbeat."""
+    age = time.time() - float(record.get("heartbeat") or 0)
+    return (
+        f"{record.get('purpose', 'a reader')} (host {record.get('host')}, pid "
+        f"{record.get('pid')}, heartbeat {age:.0f}s ago)"
+    )
+
+
+def _deleting_record(store: Any, name: str) -> dict[str, Any] | None:
+    """The deleter's marker of step ``name`` (None: none, or stale: its deleter died)."""
+    marker = f"{HOLDS}/{DELETING}{name}.json"
+    record = _read_record(store, marker)
+    if record is None:
+        return {} if store.exists(marker) else None  # being written: there, undecided
+    started = record.get("started")
+    fresh = isinstance(started, int | float) and time.time() - started < STALE_DELETING_S
+    return record if fresh else None
+
+
+def being_deleted(store: Any, name: str, wait_s: float = 30.0) -> bool:
+    """Whether retention is deleting step ``name``. A deleter that has not decided yet (it is
+    reading the holds) is waited for, up to ``wait_s``: it keeps the step when it sees a hold
+    written before it looked, and then removes its marker."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        record = _deleting_record(store, name)
+        if record is None:
+            return False
+        if record.get("deleting") or time.monotonic() > deadline:
+            return True
+        time.sleep(0.05)
+
+
+def delete_unless_held(store: Any, step: int, delete: Callable[[str], None]) -> list[dict]:
+    """Delete step ``step`` with ``delete(name)`` unless a reader holds it: the holds that kept
+    it, or [] when it was deleted."""
+    name = step_name(step)
+    marker = f"{HOLDS}/{DELETING}{name}.json"
+    record: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+    record["started"] = time.time()
+    store.write_bytes(marker, json.dumps(record).encode(), durable=False)
+    try:
+        holders = [h for h in live_holds(store) if covers(h, step)]
+        kept = f"{HOLDS}/{KEPT}{name}.json"
+        if holders:
+            store.write_bytes(kept, json.dumps({"since": time.time()}).encode(), durable=False)
+            return holders
+        record["deleting"] = True  # decided: a reader that wrote its hold since backs off
+        store.write_bytes(marker, json.dumps(record).encode(), durable=False)
+        delete(name)
+        store.remove(kept)
+        return []
+    finally:
+        with contextlib.suppress(Exception):
+            store.remove(marker)
+            store.remove_empty_folder(HOLDS)
+
+
+class Hold:
+    """A reader's hold on step ``step`` of ``store`` (or, with ``follow``, on every step from
+    ``step`` on), renewed by a background thread until ``release()``."""
+
+    def __init__(
+        self,
+        store: Any,
+        step: int,
+        purpose: str,
+        follow: bool = False,
+        expires_s: float | None = None,
+    ) -> None:
+        self.store, self.step, self.follow = store, step, follow
+        self.expires_s = expires_s if expires_s is not None else expiry_s()
+        self.id = uuid.uuid4().hex
+        self.file = f"{HOLDS}/{HOLD_PREFIX}{self.id}.json"
+        self.record: dict[str, Any] = {
+            "id": self.id,
+            "purpose": purpose,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            "expires_s": self.expires_s,
+        }
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def name(self) -> str:
+        return step_name(self.step)
+
+    @property
+    def location(self) -> str:
+        """The held step's path or URL."""
+        return self.store.location(self.name)
+
+    def _write(self) -> None:
+        with self._lock:
+            self.record.pop("step", None)
+            self.record.pop("from", None)
+            self.record["from" if self.follow else "step"] = self.step
+            self.record["heartbeat"] = time.time()
+            self.store.write_bytes(self.file, json.dumps(self.record).encode(), durable=False)
+
+    def acquire(self) -> None:
+        """Hold the step; raise ``StepGone`` (holding nothing) when it is no longer published or
+        retention is deleting it. A follower's hold always succeeds."""
+        self._write()
+        if not self.follow and (
+            being_deleted(self.store, self.name) or not self.store.is_published(self.name)
+        ):
+            self._remove()
+            raise StepGone(f"{self.location} is no longer published (retention deleted it)")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._renew, name="dcpkit-hold", daemon=True)
+            self._thread.start()
+
+    def move_to(self, step: int) -> None:
+        """A follower: hold every step from ``step`` on (the ones before are let go)."""
+        before, self.step = self.step, step
+        self._write()
+        self._finish_retention(lambda s: before <= s < step)
+
+    def _finish_retention(self, released: Callable[[int], bool]) -> None:
+        """Delete the ``released`` steps that retention kept for a reader, unless another
+        reader still holds one (the run may have ended: no later save would delete them)."""
+        try:
+            names = self.store.list_names(HOLDS)
+        except Exception:  # the next save's retention deletes them
+            return
+        for name in names:
+            step = parse_step(name.removeprefix(KEPT).removesuffix(".json"))
+            if not name.startswith(KEPT) or step is None or not released(step):
+                continue
+            try:
+                if not delete_unless_held(self.store, step, self.store.delete):
+                    summary(
+                        logger,
+                        f"checkpoint: deleted {self.store.location(step_name(step))}, which the "
+                        "run's retention kept while it was held (this "
+                        f"{self.record['purpose']} was the last to hold it)",
+                    )
+            except Exception as e:  # a reader that may not delete: the next save does
+                logger.warning(
+                    "checkpoint: could not delete %s, which retention kept while it was "
+                    "held: %s; the run's next save deletes it",
+                    self.store.location(step_name(step)),
+                    e,
+                )
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.expires_s / 4):
+            try:
+                self._write()
+            except Exception as e:  # a transient store error: the next beat tries again
+                logger.warning("checkpoint: could not renew the hold on %s: %s", self.location, e)
+
+    def _remove(self) -> None:
+        try:
+            self.store.remove(self.file)
+            self.store.remove_empty_folder(HOLDS)
+        except Exception as e:  # it expires anyway
+            logger.warning("checkpoint: could not release the hold %s: %s", self.file, e)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self._remove()
+        start = self.step
+        self._finish_retention((lambda s: s >= start) if self.follow else (lambda s: s == start))
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def hold_step(store: Any, step: int, purpose: str) -> Hold:
+    """Hold step ``step`` of ``store`` (``StepGone`` when it is no longer published)."""
+    hold = Hold(store, step, purpose)
+    hold.acquire()
+    return hold
+
+
+def hold_latest(
+    store: Any, purpose: str, check: Callable[[str], str | None] | None = None
+) -> tuple[int, Hold | None, list[str]]:
+    """Hold the newest published step of ``store`` that passes ``check(name)`` (None: fine;
+    else what is wrong), chosen and held in one operation. Returns the step, its hold (None
+    where the reader may not write into the folder: read without a hold, said in a note) and a
+    note for each newer step passed over. Raises ``FileNotFoundError`` when no step qualifies."""
+    notes: list[str] = []
+    tried: set[int] = set()
+    holding = True
+    while True:
+        candidates = [s for s in store.published_steps() if s not in tried]
+        if not candidates:
+            have = "no published step" if not tried else "no other published step"
+            raise FileNotFoundError(
+                f"{store.root} has {have} to read as `latest`"
+                + (f" ({'; '.join(notes)})" if notes else "")
+            )
+        step = max(candidates)
+        tried.add(step)
+        hold = None
+        try:
+            hold = hold_step(store, step, purpose) if holding else None
+        except StepGone:
+            continue  # deleted between the listing and the hold: the next newest
+        except OSError as e:  # a folder this reader may not write to
+            holding = False
+            notes.append(
+                f"could not hold a step of {store.root} against retention ({type(e).__name__}: "
+                f"{e}); reading without a hold"
+            )
+            logger.warning("checkpoint: %s", notes[-1])
+        problem = check(step_name(step)) if check is not None else None
+        if problem is None:
+            return step, hold, notes
+        if hold is not None:
+            hold.release()
+        location = store.location(step_name(step))
+        notes.append(f"{location} is corrupt ({problem}); `latest` is the step before it")
+        logger.info("checkpoint: %s", notes[-1])  # the caller says it: see readers._resolved

@@ -1,0 +1,415 @@
+"""Readers beside a running job: what a reader reads is held against the run's retention
+(deleted at a later save once released, or once a killed reader's hold expires), `latest` is
+chosen and held in one operation, and a follower exports each step the run publishes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import BUCKET, CONFIG, ROOT, cli, read_metrics, torchrun_env, use_endpoint
+from dcpkit import CheckpointConfig, CheckpointManager
+from dcpkit.launch import torchrun_command
+from dcpkit.readers import open_reading
+from dcpkit.storage import open_store
+from dcpkit.storage.holds import HOLDS, StepGone, delete_unless_held, hold_step
+
+DEBUG_MODEL = ("--model", "llama3", "--flavor", "debugmodel")
+
+
+def _manager(folder: str, keep: int = 2, **options) -> CheckpointManager:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    config = CheckpointConfig(enable=True, folder=folder, interval=1, keep_latest_k=keep, **options)
+    return CheckpointManager(config, "/", model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _folder(kind: str, tmp_path: Path, request, name: str) -> str:
+    if kind == "local":
+        return str(tmp_path / name)
+    use_endpoint(request.getfixturevalue("monkeypatch"), request.getfixturevalue("seaweedfs"))
+    return f"s3://{BUCKET}/readers-{tmp_path.name}/{name}"
+
+
+@pytest.mark.parametrize("kind", ["local", "seaweedfs"])
+def test_retention_keeps_a_held_step_and_deletes_it_at_a_save_once_released(
+    kind, tmp_path, request, caplog
+):
+    folder = _folder(kind, tmp_path, request, "checkpoint")
+    with caplog.at_level(logging.INFO, logger="dcpkit"), _manager(folder) as mgr:
+        mgr.save(1)
+        held = open_reading(folder, "latest", purpose="an evaluation")
+        assert held.name == "step-1"
+        for step in (2, 3, 4):
+            mgr.save(step)
+            mgr.wait()
+        assert mgr.published_steps() == [1, 3, 4]  # 2 went; 1 is held
+        assert (
+            "retention keeps step 1 while 1 reader(s) hold it: an evaluation (host" in caplog.text
+        )
+        listing = cli("list", folder)
+        assert listing.returncode == 0, listing.stderr
+        row = next(line for line in listing.stdout.splitlines() if line.startswith("step-1 "))
+        assert "held by 1 reader(s): an evaluation" in row
+        assert "1 step(s) held by readers" in listing.stdout
+        held.release()  # the last reader to hold it: deletes it as retention wanted
+        assert mgr.published_steps() == [3, 4]
+        assert "deleted " in caplog.text and "step-1, which the run's retention kept" in caplog.text
+        mgr.save(5)
+        mgr.wait()
+        assert mgr.published_steps() == [4, 5]
+    assert "held by" not in cli("list", folder).stdout
+    assert open_store(folder).list_names(HOLDS) == []  # released holds leave nothing behind
+
+
+def _take(store, start: threading.Barrier, result: dict) -> None:
+    start.wait()
+    try:
+        result["hold"] = hold_step(store, 1, "race")
+    except StepGone:
+        result["hold"] = None
+
+
+def _drop(store, start: threading.Barrier, result: dict) -> None:
+    start.wait()
+    result["kept_by"] = delete_unless_held(store, 1, store.delete)
+
+
+def test_a_reader_and_retention_never_both_go_ahead(tmp_path):
+    """Retention deleting a step while a reader takes it: in every round either the reader holds
+    it and it stays, or the reader is told it is gone; never a hold on a step being deleted."""
+    folder = tmp_path / "checkpoint"
+    with _manager(str(folder), keep=0) as mgr:
+        mgr.save(1)
+    store = open_store(folder)
+    template = tmp_path / "template"
+    shutil.copytree(folder / "step-1", template)
+    outcomes = {"held": 0, "refused": 0, "kept": 0, "deleted": 0}
+    for _ in range(150):
+        if not (folder / "step-1").exists():
+            shutil.copytree(template, folder / "step-1")
+        start = threading.Barrier(2)
+        result: dict[str, object] = {}
+        threads = [
+            threading.Thread(target=_take, args=(store, start, result)),
+            threading.Thread(target=_drop, args=(store, start, result)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        hold = result["hold"]
+        if hold is not None:
+            assert result["kept_by"], "retention deleted a step a reader held"
+            assert store.is_published("step-1")
+            hold.release()
+        outcomes["held" if hold is not None else "refused"] += 1
+        outcomes["kept" if result["kept_by"] else "deleted"] += 1
+    assert outcomes["held"] and outcomes["deleted"], outcomes  # both sides won sometimes
+    assert store.list_names(HOLDS) == []
+
+
+def test_a_second_reader_of_a_held_step_is_never_turned_away(tmp_path):
+    """Retention trying a held step (and keeping it) while another reader takes the same step:
+    the reader waits for retention's decision instead of taking its marker for a deletion."""
+    folder = tmp_path / "checkpoint"
+    with _manager(str(folder), keep=0) as mgr:
+        mgr.save(1)
+    store = open_store(folder)
+    first = hold_step(store, 1, "first reader")
+    stop, kept = threading.Event(), []
+
+    def retention() -> None:
+        while not stop.is_set():
+            kept.append(bool(delete_unless_held(store, 1, store.delete)))
+
+    deleter = threading.Thread(target=retention)
+    deleter.start()
+    try:
+        for _ in range(100):
+            hold_step(store, 1, "second reader").release()  # StepGone would fail the test
+    finally:
+        stop.set()
+        deleter.join()
+    assert len(kept) > 10 and all(kept) and store.is_published("step-1")
+    first.release()  # the last reader: deletes what retention kept for it
+    assert not store.is_published("step-1") and store.list_names(HOLDS) == []
+
+
+def test_a_killed_reader_stops_holding_after_its_stated_expiry(tmp_path, caplog):
+    folder = tmp_path / "checkpoint"
+    reader = (
+        "import sys, time, dcpkit\n"
+        "reading = dcpkit.reading(sys.argv[1], step='latest', purpose='doomed reader')\n"
+        "held = reading.__enter__()\n"
+        "print(held.name, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, "DCPKIT_HOLD_EXPIRY_S": "4"}
+    with caplog.at_level(logging.INFO, logger="dcpkit"), _manager(str(folder)) as mgr:
+        mgr.save(1)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", reader, str(folder)], env=env, stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout.readline().strip() == "step-1"
+        record = json.loads(next((folder / HOLDS).glob("hold-*.json")).read_text())
+        assert record["expires_s"] == 4 and record["purpose"] == "doomed reader"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed = time.time()
+        mgr.save(2)
+        mgr.save(3)
+        mgr.wait()
+        assert 1 in mgr.published_steps(), "deleted before the hold expired"
+        time.sleep(max(0.0, killed + 4.5 - time.time()))
+        mgr.save(4)  # the first save after the expiry
+        mgr.wait()
+        assert mgr.published_steps() == [3, 4]
+    assert "retention removed step 1, 2 (1 kept until readers released it)" in caplog.text
+
+
+def test_latest_is_the_newest_published_step_or_the_one_before_a_corrupt_one(tmp_path):
+    folder = tmp_path / "checkpoint"
+    with _manager(str(folder), keep=0) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step)
+    verified = cli("verify", str(folder / "latest"))
+    assert verified.returncode == 0 and f"OK: {folder / 'step-3'}" in verified.stdout
+    assert f"OK: {folder / 'step-2'}" in cli("verify", str(folder), "--step", "2").stdout
+    missing = cli("verify", str(folder), "--step", "7")
+    assert missing.returncode == 2 and "published steps: 1, 2, 3" in missing.stderr
+    inspected = json.loads(cli("inspect", str(folder), "--step", "latest", "--json").stdout)
+    assert inspected["step"] == 3
+    (folder / "step-3" / "__0_0.distcp").write_bytes(b"torn")  # the newest is corrupt
+    verified = cli("verify", str(folder), "--step", "latest")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert f"OK: {folder / 'step-2'}" in verified.stdout
+    assert f"note: {folder / 'step-3'} is corrupt (__0_0.distcp: has 4 bytes" in verified.stdout
+    out = tmp_path / "model.pth"
+    converted = cli("to-torch", str(folder / "latest"), str(out), "--model-only")
+    assert converted.returncode == 0, converted.stderr
+    with _manager(str(tmp_path / "elsewhere"), keep=0) as mgr:
+        assert "model" in mgr.load_from(folder, step="latest")
+        expected = torch.load(out, weights_only=True)
+        for key, value in mgr.model.parts[0].state_dict().items():
+            assert torch.equal(value, expected[key])
+    assert not (folder / HOLDS).exists()  # released holds leave nothing behind
+
+
+def _start_train(dump: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    cmd = torchrun_command(
+        2, ["--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), *overrides]
+    )
+    return subprocess.Popen(
+        cmd, env=torchrun_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _idle_priority() -> None:
+    """The reader gets the CPUs only when training leaves them idle (2 cores here)."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _low_priority() -> None:
+    """An evaluation job sharing training's 2 cores: a tenth of a core while both are busy."""
+    os.nice(10)
+
+
+def _finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    text = out + (err or "")
+    assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{text[-5000:]}"
+    return text
+
+
+def test_follow_exports_every_step_of_a_run_in_order_none_twice(tmp_path):
+    dump, out = tmp_path / "run", tmp_path / "exports"
+    follower = subprocess.Popen(  # started before the run: it waits for the run to begin
+        [sys.executable, "-m", "dcpkit.cli", "to-hf", str(dump), str(out), "--follow",
+         *DEBUG_MODEL, "--poll", "0.2"],
+        env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_idle_priority,
+    )  # fmt: skip
+    train = _start_train(
+        dump, "--training.steps", "10", "--checkpoint.interval", "1",
+        "--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only", "false",
+    )  # fmt: skip
+    _finish(train, "training")
+    printed = _finish(follower, "to-hf --follow", timeout=300)
+    exported = re.findall(r"^to-hf: .* -> (\S+) in ", printed, re.MULTILINE)
+    assert [Path(p).name for p in exported] == [f"step-{s}" for s in range(1, 11)], printed
+    assert "10 step(s) exported" in printed
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"step-{s}" for s in range(1, 11))
+    assert sorted(p.name for p in (dump / "checkpoint").glob("step-*")) == ["step-10", "step-9"]
+    assert not (dump / "checkpoint" / HOLDS).exists()
+    from transformers import AutoModelForCausalLM
+
+    first = AutoModelForCausalLM.from_pretrained(out / "step-1")
+    last = AutoModelForCausalLM.from_pretrained(out / "step-10")
+    assert not torch.equal(first.lm_head.weight, last.lm_head.weight)
+    again = cli("to-hf", str(dump / "checkpoint"), str(out), "--follow", *DEBUG_MODEL)
+    assert again.returncode == 0 and "0 step(s) exported" in again.stdout  # none twice
+
+
+def _scenario(dump: Path, folder: str, mode: str, reader: bool, steps: int) -> dict:
+    """The reference trainer on 2 ranks, ``steps`` steps, each saved, keep_latest_k 2; beside it
+    the evaluation example taking `latest` again and again (verify, to-hf, from_pretrained)."""
+    start = time.perf_counter()
+    train = _start_train(
+        dump, "--training.steps", str(steps), "--checkpoint.interval", "1",
+        "--checkpoint.keep_latest_k", "2", "--checkpoint.folder", folder,
+        "--checkpoint.async_mode", mode, "--checkpoint.last_save_model_only", "false",
+    )  # fmt: skip
+    lines: list[dict] = []
+    if reader:  # started with the run: it waits for the first step
+        store = open_store(folder if "://" in folder else dump / folder)
+        evaluation = subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / "evaluation_job.py"), store.root,
+             str(dump / "exports"), "--latest", "--batches", "100"],
+            env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_low_priority,
+        )  # fmt: skip
+    log = _finish(train, "training")
+    if reader:
+        printed = _finish(evaluation, "evaluation")
+        lines = [json.loads(x) for x in printed.splitlines() if x.startswith("{")]
+        log += printed
+    metrics = read_metrics(dump)
+    saves = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    stalls = [e["stall_s"] for e in saves if e.get("event") == "save"]
+    took = time.perf_counter() - start
+    loss = [metrics[s]["loss"] for s in range(1, steps + 1)]
+    return {"loss": loss, "stall": stalls, "reads": lines, "seconds": took, "log": log}
+
+
+@pytest.mark.parametrize("kind", ["local", "seaweedfs"])
+def test_an_evaluation_job_beside_training_reads_every_step_it_takes(kind, tmp_path, request):
+    if kind == "local":  # 40 steps; on SeaweedFS 20 (each save uploads 73 MB on these 2 cores)
+        folder, mode, steps = "checkpoint", "async_with_pinned_mem", 40
+    else:
+        use_endpoint(request.getfixturevalue("monkeypatch"), request.getfixturevalue("seaweedfs"))
+        folder, mode, steps = f"s3://{BUCKET}/eval-{tmp_path.name}/checkpoint", "async", 20
+    alone = _scenario(tmp_path / "alone", folder.replace("eval-", "alone-"), mode, False, steps)
+    beside = _scenario(tmp_path / "beside", folder, mode, True, steps)
+    print(kind, alone["seconds"], beside["seconds"], beside["reads"])
+    assert beside["loss"] == alone["loss"]  # bitwise: the reader changed nothing
+    reads = beside["reads"]
+    assert len(reads) >= 3 and all(r["verified"] for r in reads), reads
+    # Reads that outlived their step's turn in retention (2 newer steps published meanwhile),
+    # and the trainer's log of keeping them, then deleting them once released:
+    assert any(r["newest_after"] >= r["step"] + 2 for r in reads), reads
+    assert "retention keeps step" in beside["log"], beside["log"][-3000:]
+    deleted = ("kept until readers released it", "which the run's retention kept while it was")
+    assert any(d in beside["log"] for d in deleted)  # by the trainer, or the last reader
+    assert [r["step"] for r in reads] == sorted({r["step"] for r in reads})
+    assert reads[-1]["step"] == steps  # the run's last step, read after the run finished
+    assert all(torch.isfinite(torch.tensor(r["eval_loss"])) for r in reads)  # from_pretrained
+    store = open_store(folder if "://" in folder else tmp_path / "beside" / folder)
+    assert store.published_steps() == [steps - 1, steps]
+    assert store.list_names(HOLDS) == []
+    # A reader never blocks a save: the stall is the save's own, whatever the reader holds.
+    # (Its CPU and disk use on these 2 cores is measured in benchmarks/readers_beside.py.)
+    slow = statistics.median(beside["stall"]) / statistics.median(alone["stall"])
+    assert slow < 3.0, (beside["stall"], alone["stall"])  # blocking would be ~100x
+
+
+def test_a_follower_of_a_run_with_a_memory_tier_reads_durable_steps_and_says_so(tmp_path):
+    dump = tmp_path / "run"
+    train = _start_train(
+        dump, "--training.steps", "10", "--checkpoint.interval", "5",
+        "--checkpoint.local_interval", "1", "--checkpoint.keep_latest_k", "2",
+        "--checkpoint.last_save_model_only", "false",
+        "--checkpoint.local_folder", str(tmp_path / "shm"),
+    )  # fmt: skip
+    while not (dump / "checkpoint" / ".dcpkit-lease").exists():
+        assert train.poll() is None, train.communicate()[0][-3000:]
+        time.sleep(0.1)
+    follower = cli("to-hf", str(dump / "checkpoint"), str(tmp_path / "out"), "--follow",
+                   *DEBUG_MODEL, "--poll", "0.2")  # fmt: skip
+    _finish(train, "training")
+    assert follower.returncode == 0, follower.stderr
+    assert "note: this run also saves every 1 step(s) to a memory tier" in follower.stdout
+    assert "readers read the durable steps of this folder only" in follower.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["step-10", "step-5"]
+
+
+def test_a_reader_that_may_not_write_into_the_folder_reads_without_a_hold(tmp_path, monkeypatch):
+    """Read-only credentials (a bucket a job may read, not write): the reader says it holds
+    nothing and reads all the same."""
+    folder = tmp_path / "checkpoint"
+    with _manager(str(folder), keep=0) as mgr:
+        mgr.save(1)
+        mgr.save(2)
+    from dcpkit.storage.local import LocalStore
+
+    plain = LocalStore.write_bytes
+
+    def refuse(self, name, data, durable=True):
+        if name.startswith(HOLDS):
+            raise PermissionError(13, "Permission denied", str(self.path / name))
+        return plain(self, name, data, durable)
+
+    monkeypatch.setattr(LocalStore, "write_bytes", refuse)
+    verified = cli("verify", str(folder / "latest"))
+    assert verified.returncode == 0, verified.stderr
+    assert f"OK: {folder / 'step-2'}" in verified.stdout
+    assert "note: could not hold a step of" in verified.stdout
+    by_path = cli("verify", str(folder / "step-1"))
+    assert by_path.returncode == 0 and "reading without a hold" in by_path.stdout
+
+
+class _Probe:
+    """A user state whose load runs a callback: the writer saves while the reader loads."""
+
+    def __init__(self, during_load=None) -> None:
+        self.value, self.during_load = torch.zeros(()), during_load
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state) -> None:
+        self.value = state["value"]
+        if self.during_load is not None:
+            self.during_load()
+
+
+def test_a_load_only_job_holds_the_step_it_loads_while_the_run_saves(tmp_path, caplog):
+    folder = str(tmp_path / "checkpoint")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    config = CheckpointConfig(enable=True, folder=folder, interval=1, keep_latest_k=2)
+    with (
+        caplog.at_level(logging.INFO, logger="dcpkit"),
+        CheckpointManager(config, "/", model, states={"probe": _Probe()}) as writer,
+    ):
+        writer.save(1)
+        writer.save(2)
+
+        def the_run_goes_on() -> None:
+            for step in (3, 4):
+                writer.save(step)
+            writer.wait()
+            assert writer.published_steps() == [2, 3, 4]  # 2 is being loaded: kept
+
+        evaluation = dataclasses.replace(config, load_only=True)
+        reader = CheckpointManager(
+            evaluation, "/", torch.nn.Linear(8, 8), states={"probe": _Probe(the_run_goes_on)}
+        )
+        assert reader.load() == 2
+        assert torch.equal(reader.model.parts[0].weight, model.weight)
+        assert writer.published_steps() == [3, 4]  # released: deleted as retention wanted
+    assert "retention keeps step 2 while 1 reader(s) hold it: load" in caplog.text
