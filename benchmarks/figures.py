@@ -96,7 +96,42 @@ def metadata_verify(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readers_beside(data: dict) -> str:
+    names = {
+        "alone": "no reader",
+        "holding": "a reader holding the newest step, one after another",
+        "evaluating": "the evaluation job: verify, `to-hf`, `from_pretrained`, 100 batches",
+    }
+    lines = [
+        f"| beside the run ({data['steps']} steps, {data['mode']}) | stall per save | vs alone "
+        "| reads | of them, read after retention's turn | losses as alone |",
+        "|---|---|---|---|---|---|",
+    ]
+    for way, r in data["results"].items():
+        reads, late = "-", "-"
+        if way == "holding":
+            reads = f"{r['holds']} holds"
+        elif way == "evaluating":
+            reads = f"{r['reads']}, {r['reads_verified']} verified"
+            late = str(r["reads_outliving_retention"])
+        same = "bitwise" if r["losses_equal_alone"] else "differ"
+        lines.append(
+            f"| {names[way]} | {r['stall_s'] * 1000:.0f} ms | {r['vs_alone']:.2f}x | {reads} "
+            f"| {late} | {same} |"
+        )
+    left = sorted({", ".join(steps) for r in data["results"].values() for steps in r["left"]})
+    lines += [
+        "",
+        f"Medians of {data['rounds']} rounds ({data['cpus']} CPUs); the steps left after each run: "
+        f"{'; '.join(left)}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 SOURCES: dict[str, Source] = {
+    "readers_beside": Source(
+        "benchmarks/results/readers_beside.json", "benchmarks/readers_beside.py", readers_beside
+    ),
     "trainer_stall": Source(
         "benchmarks/results/trainer_stall.json", "benchmarks/trainer_stall.py", trainer_stall
     ),
