@@ -244,12 +244,21 @@ def test_follow_exports_every_step_of_a_run_in_order_none_twice(tmp_path):
         env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=_idle_priority,
     )  # fmt: skip
+    evaluation = subprocess.Popen(  # a second follower: the example, dcpkit.follow
+        [sys.executable, str(ROOT / "examples" / "evaluation_job.py"), str(dump),
+         str(tmp_path / "evaluated")],
+        env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_idle_priority,
+    )  # fmt: skip
     train = _start_train(
         dump, "--training.steps", "10", "--checkpoint.interval", "1",
         "--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only", "false",
     )  # fmt: skip
     _finish(train, "training")
     printed = _finish(follower, "to-hf --follow", timeout=300)
+    evaluated = _finish(evaluation, "the evaluation example", timeout=300)
+    reads = [json.loads(x) for x in evaluated.splitlines() if x.startswith("{")]
+    assert [r["step"] for r in reads] == list(range(1, 11)) and all(r["verified"] for r in reads)
     exported = re.findall(r"^to-hf: .* -> (\S+) in ", printed, re.MULTILINE)
     assert [Path(p).name for p in exported] == [f"step-{s}" for s in range(1, 11)], printed
     assert "10 step(s) exported" in printed
@@ -308,7 +317,7 @@ def test_an_evaluation_job_beside_training_reads_every_step_it_takes(kind, tmp_p
     print(kind, alone["seconds"], beside["seconds"], beside["reads"])
     assert beside["loss"] == alone["loss"]  # bitwise: the reader changed nothing
     reads = beside["reads"]
-    assert len(reads) >= 3 and all(r["verified"] for r in reads), reads
+    assert len(reads) >= 2 and all(r["verified"] for r in reads), reads
     # Reads that outlived their step's turn in retention (2 newer steps published meanwhile),
     # and the trainer's log of keeping them, then deleting them once released:
     assert any(r["newest_after"] >= r["step"] + 2 for r in reads), reads

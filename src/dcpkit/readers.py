@@ -59,9 +59,9 @@ class Reading:
     def location(self) -> str:
         return self.store.location(self.name)
 
-    def release(self) -> None:
+    def release(self, wait: bool = True) -> None:
         if self.hold is not None:
-            self.hold.release()
+            self.hold.release(wait)
             self.hold = None
 
 
@@ -130,7 +130,7 @@ def _held(store: Any, step: int, purpose: str, reading: Reading) -> Reading:
             f"{reading.location} does not exist: retention deleted it as this {purpose} began "
             f"(read `{LATEST}` of the folder to hold the newest step as it is chosen)"
         ) from None
-    except OSError as e:  # a folder this reader may not write to: read without a hold
+    except Exception as e:  # a folder this reader may not write to: read without a hold
         reading.notes.append(
             f"could not hold {reading.location} against retention ({type(e).__name__}: {e}); "
             "reading without a hold"
@@ -158,8 +158,13 @@ def reading(
     held = open_reading(path_or_url, step, purpose, storage_options)
     try:
         yield held
-    finally:
+    except GeneratorExit:  # closed without an error
         held.release()
+        raise
+    except BaseException:
+        held.release(wait=False)  # a failed read: never wait on a store that may be down
+        raise
+    held.release()
 
 
 # --- following a run -----------------------------------------------------------------------------
@@ -228,8 +233,13 @@ def follow(
     hold.acquire()
     try:
         yield from _steps(store, hold, poll_s)
-    finally:
+    except GeneratorExit:  # the loop stopped early: the steps it did not reach are let go
         hold.release()
+        raise
+    except BaseException:
+        hold.release(wait=False)  # in the background: its store may be the one that failed
+        raise
+    hold.release()
 
 
 def _steps(store: Any, hold: Hold, poll_s: float) -> Iterator[Reading]:

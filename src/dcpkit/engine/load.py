@@ -29,7 +29,7 @@ from dcpkit.layout import (
 )
 from dcpkit.manifest import CHECKSUM_ALGORITHM
 from dcpkit.storage import StoreError, open_location
-from dcpkit.storage.holds import Hold, StepGone, hold_step
+from dcpkit.storage.holds import Hold, hold_step
 
 logger = logging.getLogger(__name__)
 
@@ -305,11 +305,14 @@ def restore_verified(
     hold = _hold(plan) if dist.rank() == 0 else None
     try:
         loaded = retrying(once, config.storage_retry_s, what)
-        dist.barrier()  # every rank has read it: the hold may go
-        return loaded
-    finally:
-        if hold is not None:
-            hold.release()
+    except BaseException:
+        if hold is not None:  # in the background: its store may be the one that failed
+            hold.release(wait=False)
+        raise
+    dist.barrier()  # every rank has read it: the hold may go
+    if hold is not None:
+        hold.release()
+    return loaded
 
 
 def _hold(plan: LoadPlan) -> Hold | None:
@@ -321,7 +324,7 @@ def _hold(plan: LoadPlan) -> Hold | None:
         return None
     try:
         return hold_step(plan.store, step, "load")
-    except (StepGone, OSError) as e:
+    except Exception as e:  # never a failure of rank 0 alone: the others wait in the load
         logger.warning("checkpoint: %s is not held against retention: %s", plan.location, e)
         return None
 

@@ -109,7 +109,10 @@ def held_everywhere(
         raise_failure(*failure)
     try:
         yield open_location(location, storage_options)
-        dist.barrier()  # every rank has read it: the hold may go
-    finally:
-        if held is not None:
-            held.release()
+    except BaseException:
+        if held is not None:  # in the background: its store may be the one that failed
+            held.release(wait=False)
+        raise
+    dist.barrier()  # every rank has read it: the hold may go
+    if held is not None:
+        held.release()

@@ -273,8 +273,13 @@ class Hold:
         except Exception as e:  # it expires anyway
             logger.warning("checkpoint: could not release the hold %s: %s", self.file, e)
 
-    def release(self) -> None:
+    def release(self, wait: bool = True) -> None:
+        """Let go (and delete what retention kept for this hold alone). ``wait=False``: in the
+        background, for a reader that failed (its store may not answer: the hold expires)."""
         self._stop.set()
+        if not wait:
+            threading.Thread(target=self.release, name="dcpkit-release", daemon=True).start()
+            return
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
@@ -286,7 +291,7 @@ class Hold:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        self.release(wait=exc[0] is None)
 
 
 def hold_step(store: Any, step: int, purpose: str) -> Hold:
@@ -321,7 +326,7 @@ def hold_latest(
             hold = hold_step(store, step, purpose) if holding else None
         except StepGone:
             continue  # deleted between the listing and the hold: the next newest
-        except OSError as e:  # a folder this reader may not write to
+        except Exception as e:  # a folder this reader may not write to
             holding = False
             notes.append(
                 f"could not hold a step of {store.root} against retention ({type(e).__name__}: "
