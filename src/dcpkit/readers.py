@@ -10,7 +10,6 @@ first save, released when it closes, its heartbeat renewed meanwhile.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -22,7 +21,15 @@ from dcpkit.console import summary
 from dcpkit.integrity import verify_checkpoint
 from dcpkit.layout import LEASE, parse_step, step_name
 from dcpkit.storage import CheckpointView, open_location, open_store
-from dcpkit.storage.holds import Hold, StepGone, being_deleted, hold_latest, hold_step
+from dcpkit.storage.holds import (
+    Hold,
+    StepGone,
+    being_deleted,
+    hold_latest,
+    hold_step,
+    letting_go,
+    read_record,
+)
 
 logger = logging.getLogger(__name__)
 LATEST = "latest"
@@ -156,15 +163,8 @@ def reading(
 ) -> Iterator[Reading]:
     """``open_reading``, released at the end of the block."""
     held = open_reading(path_or_url, step, purpose, storage_options)
-    try:
+    with letting_go(held):
         yield held
-    except GeneratorExit:  # closed without an error
-        held.release()
-        raise
-    except BaseException:
-        held.release(wait=False)  # a failed read: never wait on a store that may be down
-        raise
-    held.release()
 
 
 # --- following a run -----------------------------------------------------------------------------
@@ -173,12 +173,8 @@ def reading(
 def run_state(store: Any) -> tuple[str, dict[str, Any]]:
     """Whether a run is saving into ``store``'s folder: ``("running" | "stale" | "none",
     lease record)``. Stale: its heartbeat is older than its own ``lease_timeout_s``."""
-    try:
-        st = store.stat(LEASE)
-        record = json.loads(store.read_bytes(LEASE)) if st is not None and st.size < 65536 else None
-    except (OSError, ValueError):
-        record = None
-    if not isinstance(record, dict):
+    record = read_record(store, LEASE, skip_errors=False)  # a store error is no finished run
+    if record is None:
         return "none", {}
     beat, timeout = record.get("heartbeat"), record.get("timeout_s", 60.0)
     if not isinstance(beat, int | float) or not isinstance(timeout, int | float):
@@ -231,15 +227,8 @@ def follow(
         store = _target(folder, storage_options)
     hold = Hold(store, 0, purpose, follow=True)
     hold.acquire()
-    try:
+    with letting_go(hold):  # a loop that stops early lets go of the steps it did not reach
         yield from _steps(store, hold, poll_s)
-    except GeneratorExit:  # the loop stopped early: the steps it did not reach are let go
-        hold.release()
-        raise
-    except BaseException:
-        hold.release(wait=False)  # in the background: its store may be the one that failed
-        raise
-    hold.release()
 
 
 def _steps(store: Any, hold: Hold, poll_s: float) -> Iterator[Reading]:

@@ -29,7 +29,7 @@ from dcpkit.layout import (
 )
 from dcpkit.manifest import CHECKSUM_ALGORITHM
 from dcpkit.storage import StoreError, open_location
-from dcpkit.storage.holds import Hold, hold_step
+from dcpkit.storage.holds import Hold, hold_step, letting_go
 
 logger = logging.getLogger(__name__)
 
@@ -302,17 +302,8 @@ def restore_verified(
     ``storage_retry_s`` (every rank together)."""
     what = f"loading {plan.location}"
     once = functools.partial(_restore_verified, plan, config, store, restore)
-    hold = _hold(plan) if dist.rank() == 0 else None
-    try:
-        loaded = retrying(once, config.storage_retry_s, what)
-    except BaseException:
-        if hold is not None:  # in the background: its store may be the one that failed
-            hold.release(wait=False)
-        raise
-    dist.barrier()  # every rank has read it: the hold may go
-    if hold is not None:
-        hold.release()
-    return loaded
+    with letting_go(_hold(plan) if dist.rank() == 0 else None, before=dist.barrier):
+        return retrying(once, config.storage_retry_s, what)
 
 
 def _hold(plan: LoadPlan) -> Hold | None:

@@ -18,6 +18,7 @@ from dcpkit.engine.publish import transient
 from dcpkit.errors import CheckpointError, CorruptCheckpoint, describe_error
 from dcpkit.readers import open_reading
 from dcpkit.storage import open_location
+from dcpkit.storage.holds import letting_go
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +108,5 @@ def held_everywhere(
     location, failure = dist.broadcast_object(chosen if dist.rank() == 0 else None)
     if failure is not None:
         raise_failure(*failure)
-    try:
+    with letting_go(held, before=dist.barrier):  # every rank has read it: the hold may go
         yield open_location(location, storage_options)
-    except BaseException:
-        if held is not None:  # in the background: its store may be the one that failed
-            held.release(wait=False)
-        raise
-    dist.barrier()  # every rank has read it: the hold may go
-    if held is not None:
-        held.release()

@@ -10,8 +10,9 @@ after that). Markers work on every store, local or object store, across hosts.
 Retention deletes a step only when no live hold covers it, by a protocol with no window: the
 deleter writes ``deleting-step-N.json`` and then reads the holds; a reader writes its hold and
 then reads the deleting markers and checks that the step is still published. Whichever writes
-second sees the other's marker: the deleter keeps the step (it is deleted at a later save, once
-released), or the reader lets go and chooses again. A reader never blocks a save.
+second sees the other's marker: the deleter keeps the step (the last reader to let go deletes
+it, or a later save does), or the reader lets go and chooses again. A reader never blocks a
+save.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from dcpkit.console import summary
@@ -60,8 +61,9 @@ class StepGone(Exception):
     """The step is no longer published (retention deleted it, or is deleting it)."""
 
 
-def _read_record(store: Any, name: str) -> dict[str, Any] | None:
-    """A marker's JSON, bounded; None when it is gone, too large or not a JSON object."""
+def read_record(store: Any, name: str, skip_errors: bool = True) -> dict[str, Any] | None:
+    """A marker's JSON (a hold's, a deleter's, the run's lease), bounded; None when it is gone,
+    too large or not a JSON object."""
     try:
         st = store.stat(name)
         if st is None or st.size > MAX_RECORD:
@@ -70,6 +72,8 @@ def _read_record(store: Any, name: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     except Exception as e:  # a store error other than a vanished file: unreadable, skip it
+        if not skip_errors:
+            raise
         logger.debug("checkpoint: unreadable marker %s: %s", store.location(name), e)
         return None
     return record if isinstance(record, dict) else None
@@ -89,7 +93,7 @@ def live_holds(store: Any) -> list[dict[str, Any]]:
     holds = []
     for name in store.list_names(HOLDS):
         if name.startswith(HOLD_PREFIX) and name.endswith(".json"):
-            record = _read_record(store, f"{HOLDS}/{name}")
+            record = read_record(store, f"{HOLDS}/{name}")
             if record is not None and _alive(record, now):
                 holds.append(record)
     return holds
@@ -121,7 +125,7 @@ def describe(record: dict[str, Any]) -> str:
 def _deleting_record(store: Any, name: str) -> dict[str, Any] | None:
     """The deleter's marker of step ``name`` (None: none, or stale: its deleter died)."""
     marker = f"{HOLDS}/{DELETING}{name}.json"
-    record = _read_record(store, marker)
+    record = read_record(store, marker)
     if record is None:
         return {} if store.exists(marker) else None  # being written: there, undecided
     started = record.get("started")
@@ -341,3 +345,25 @@ def hold_latest(
         location = store.location(step_name(step))
         notes.append(f"{location} is corrupt ({problem}); `latest` is the step before it")
         logger.info("checkpoint: %s", notes[-1])  # the caller says it: see readers._resolved
+
+
+@contextlib.contextmanager
+def letting_go(hold: Any, before: Callable[[], None] | None = None) -> Iterator[None]:
+    """Release ``hold`` (a ``Hold``, anything with its ``release(wait)``, or None) when the
+    block ends: after ``before()`` (every rank's barrier) when it ends normally, at once when
+    a generator around it is closed, and in the background when it fails (the store may be
+    the one that failed: never wait on it; the hold expires anyway)."""
+    try:
+        yield
+    except GeneratorExit:
+        if hold is not None:
+            hold.release()
+        raise
+    except BaseException:
+        if hold is not None:
+            hold.release(wait=False)
+        raise
+    if before is not None:
+        before()
+    if hold is not None:
+        hold.release()
