@@ -38,10 +38,18 @@ def _manager(folder: str, keep: int = 2, **options) -> CheckpointManager:
     return CheckpointManager(config, "/", model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def _on_seaweedfs(request) -> None:
+    """This test's S3 clients at SeaweedFS; none of them left cached for the tests after it."""
+    import s3fs
+
+    use_endpoint(request.getfixturevalue("monkeypatch"), request.getfixturevalue("seaweedfs"))
+    request.addfinalizer(s3fs.S3FileSystem.clear_instance_cache)
+
+
 def _folder(kind: str, tmp_path: Path, request, name: str) -> str:
     if kind == "local":
         return str(tmp_path / name)
-    use_endpoint(request.getfixturevalue("monkeypatch"), request.getfixturevalue("seaweedfs"))
+    _on_seaweedfs(request)
     return f"s3://{BUCKET}/readers-{tmp_path.name}/{name}"
 
 
@@ -310,7 +318,7 @@ def test_an_evaluation_job_beside_training_reads_every_step_it_takes(kind, tmp_p
     if kind == "local":  # 40 steps; on SeaweedFS 20 (each save uploads 73 MB on these 2 cores)
         folder, mode, steps = "checkpoint", "async_with_pinned_mem", 40
     else:
-        use_endpoint(request.getfixturevalue("monkeypatch"), request.getfixturevalue("seaweedfs"))
+        _on_seaweedfs(request)
         folder, mode, steps = f"s3://{BUCKET}/eval-{tmp_path.name}/checkpoint", "async", 20
     alone = _scenario(tmp_path / "alone", folder.replace("eval-", "alone-"), mode, False, steps)
     beside = _scenario(tmp_path / "beside", folder, mode, True, steps)
