@@ -430,3 +430,24 @@ def test_a_load_only_job_holds_the_step_it_loads_while_the_run_saves(tmp_path, c
         assert torch.equal(reader.model.parts[0].weight, model.weight)
         assert writer.published_steps() == [3, 4]  # released: deleted as retention wanted
     assert "retention keeps step 2 while 1 reader(s) hold it: load" in caplog.text
+
+
+def test_crafted_hold_markers_are_ignored_not_trusted(tmp_path):
+    """Markers someone else wrote into the folder: not JSON, not an object, larger than any
+    hold, without a heartbeat, or expired: none holds a step, none breaks retention or list."""
+    folder = tmp_path / "checkpoint"
+    holds = folder / HOLDS
+    holds.mkdir(parents=True)
+    (holds / "hold-garbage.json").write_bytes(b"\x00\xff not json")
+    (holds / "hold-list.json").write_text("[1, 2]")
+    (holds / "hold-huge.json").write_text(json.dumps({"step": 1, "pad": "x" * (1 << 20)}))
+    (holds / "hold-nobeat.json").write_text(json.dumps({"step": 1, "expires_s": 60}))
+    old = {"step": 1, "heartbeat": time.time() - 120, "expires_s": 60, "purpose": "gone"}
+    (holds / "hold-expired.json").write_text(json.dumps(old))
+    with _manager(str(folder)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step)
+        mgr.wait()
+        assert mgr.published_steps() == [2, 3]  # step 1 deleted: no marker held it
+        listing = cli("list", str(folder))
+        assert listing.returncode == 0 and "held by" not in listing.stdout
