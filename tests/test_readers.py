@@ -227,19 +227,25 @@ def _start_train(dump: Path, *overrides: str, env: dict | None = None) -> subpro
     )
 
 
-def _idle_priority() -> None:
-    """The reader gets the CPUs only when training leaves them idle (2 cores here)."""
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-
-
 def _low_priority() -> None:
     """An evaluation job sharing training's 2 cores: a tenth of a core while both are busy."""
     os.nice(10)
 
 
-def _finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
-    out, err = proc.communicate(timeout=timeout)
-    text = out + (err or "")
+def _wait_for_line(path: Path, text: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Until ``proc`` has written ``text`` to ``path`` (a follower says once that it waits)."""
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert proc.poll() is None, f"it ended ({proc.returncode}):\n{path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout}s in {path}"
+        time.sleep(0.2)
+
+
+def _finish(
+    proc: subprocess.Popen, what: str, timeout: float = 600, err: Path | None = None
+) -> str:
+    out, printed = proc.communicate(timeout=timeout)
+    text = out + (printed or "") + (err.read_text() if err else "")
     assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{text[-5000:]}"
     return text
 
@@ -249,22 +255,24 @@ def test_follow_exports_every_step_of_a_run_in_order_none_twice(tmp_path):
     follower = subprocess.Popen(  # started before the run: it waits for the run to begin
         [sys.executable, "-m", "dcpkit.cli", "to-hf", str(dump), str(out), "--follow",
          *DEBUG_MODEL, "--poll", "0.2"],
-        env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=_idle_priority,
+        env=torchrun_env(), stdout=subprocess.PIPE, stderr=(tmp_path / "follower.err").open("w"),
+        text=True, preexec_fn=_low_priority,
     )  # fmt: skip
     evaluation = subprocess.Popen(  # a second follower: the example, dcpkit.follow
         [sys.executable, str(ROOT / "examples" / "evaluation_job.py"), str(dump),
          str(tmp_path / "evaluated")],
-        env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=_idle_priority,
+        env=torchrun_env(), stdout=subprocess.PIPE, stderr=(tmp_path / "evaluation.err").open("w"),
+        text=True, preexec_fn=_low_priority,
     )  # fmt: skip
+    for name, proc in (("follower", follower), ("evaluation", evaluation)):
+        _wait_for_line(tmp_path / f"{name}.err", "waiting for a run to save into", proc)
     train = _start_train(
         dump, "--training.steps", "10", "--checkpoint.interval", "1",
         "--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only", "false",
     )  # fmt: skip
     _finish(train, "training")
-    printed = _finish(follower, "to-hf --follow", timeout=300)
-    evaluated = _finish(evaluation, "the evaluation example", timeout=300)
+    printed = _finish(follower, "to-hf --follow", 300, tmp_path / "follower.err")
+    evaluated = _finish(evaluation, "the evaluation example", 300, tmp_path / "evaluation.err")
     reads = [json.loads(x) for x in evaluated.splitlines() if x.startswith("{")]
     assert [r["step"] for r in reads] == list(range(1, 11)) and all(r["verified"] for r in reads)
     exported = re.findall(r"^to-hf: .* -> (\S+) in ", printed, re.MULTILINE)

@@ -220,6 +220,8 @@ def follow(
     ``wait_s``; None: as long as it takes)."""
     start = time.monotonic()
     store = _target(folder, storage_options)
+    if store is None:  # said once, so that a person (or a script) knows the follower is ready
+        summary(logger, f"checkpoint: waiting for a run to save into {folder}")
     while store is None:
         if wait_s is not None and time.monotonic() - start > wait_s:
             raise TimeoutError(f"no run saved into {folder} within {wait_s:.0f}s")
