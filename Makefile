@@ -20,7 +20,7 @@ demo: $(STAMP)
 test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d $(SITE)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=40
 
 # The docs site, built in strict mode: a broken link, a missing page or a bad docstring fails it.
 # First the benchmark figures the pages show are written from their results files.
