@@ -257,11 +257,12 @@ def seaweedfs(tmp_path_factory):
                 time.sleep(0.5)
         yield endpoint
     finally:
-        server.terminate()
+        server.terminate()  # the last test is done: nothing it holds needs a clean stop
         try:
-            server.wait(timeout=30)
+            server.wait(timeout=5)
         except subprocess.TimeoutExpired:
             server.kill()
+            server.wait()
 
 
 def use_endpoint(monkeypatch, endpoint: str) -> None:
