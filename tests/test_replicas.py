@@ -53,6 +53,7 @@ def test_a_replicated_resume_reads_the_checkpoint_once_and_is_bitwise(layout, tm
     stored = sum(p.stat().st_size for p in Path(step).glob("*.distcp"))
     assert ratio <= 1.05, (ratio, found.group(0), stored)
     assert ratio >= 0.99  # every byte of the data files read (and checksummed) once
+    assert "(records read once, sent)" in found.string[found.end() : found.end() + 40]
 
 
 def test_a_corrupted_file_in_a_shared_load_is_named_and_no_rank_waits(tmp_path):

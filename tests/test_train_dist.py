@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -130,6 +131,10 @@ def test_resume_at_other_world_size(reference_run, stopped_run, tmp_path, nproc)
     # 2. Training continues on the same samples: same tokens, same losses to 1e-3.
     proc = run_train(nproc, dump)
     assert f"RNG saved by 2 ranks, restored on {nproc}" in proc.stdout
+    # Each rank reads its own rows of the records it shares with another (at 4 ranks, every
+    # record of the 2-rank checkpoint): nothing is read twice, so nothing is sent between ranks.
+    read = r"stored \([\d.]+x\) on \d+ rank\(s\) \(each its own\)"
+    assert re.search(read, proc.stdout + proc.stderr), proc.stdout[-3000:]
     ref, got = read_metrics(reference_run), read_metrics(dump)
     assert sorted(got) == list(range(11, 21))
     for step in range(11, 21):

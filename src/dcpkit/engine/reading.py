@@ -88,12 +88,14 @@ def load_into(
     counts = [n for _, _, n, _ in outcomes]
     if stored and None not in counts and dist.rank() == 0:
         total = sum(counts)
+        how = "records read once, sent" if getattr(reader, "was_shared", False) else "each its own"
         logger.info(
-            "checkpoint: read %s from storage for %s stored (%.2fx) on %d rank(s)",
+            "checkpoint: read %s from storage for %s stored (%.2fx) on %d rank(s) (%s)",
             human_bytes(total),
             human_bytes(stored),
             total / stored,
             len(counts),
+            how,
         )
 
 

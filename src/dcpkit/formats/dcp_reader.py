@@ -70,6 +70,7 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         self.files = files or LocalFiles(path)
         self.workers = 1
         self.shared = False  # set when every rank loads at once: replicas read once (see below)
+        self.was_shared = False  # the records were read once and sent to the ranks needing them
         self.bytes_read = 0  # from storage, by this rank
         self._count = threading.Lock()
         if metadata is not None:
@@ -112,10 +113,17 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         """Read with the other ranks, each record once (``shared_read``); False (nothing read)
         when no record is needed by two ranks, or some rank cannot share."""
         self.shared = False
-        records = sorted({(rel, offset, length) for rel, offset, length, _ in items})
-        plan = shared_read.exchange(can_share, records, sorted(self.checksums))
+        wants: dict[tuple[str, int, int], int] = {}
+        for rel, offset, length, item in items:
+            record = (rel, offset, length)
+            more = shared_read.wanted(planner, item, length)
+            wants[record] = min(length, wants.get(record, 0) + more)
+        records = sorted(wants)
+        wanted = [wants[r] for r in records]
+        plan = shared_read.exchange(can_share, records, sorted(self.checksums), wanted)
         if plan is None:
             return False
+        self.was_shared = True
         share = shared_read.SharedRead(self, plan, items, _load_item, _hash_range)
         with torch.no_grad(), contextlib.ExitStack() as stack:
             share.run(planner, stack)
@@ -321,7 +329,7 @@ def _load_item(
     if archive is None:
         archive = archives[offset] = open_record(f, offset, length, fqn)
     tmd = planner.metadata.state_dict_metadata[fqn]
-    chunk = _chunk_sizes(planner, tmd, fqn).get(tuple(item.storage_index.offset))
+    chunk = shared_read.chunk_sizes(planner, tmd, fqn).get(tuple(item.storage_index.offset))
     if chunk is None:
         raise ValueError(f"{fqn}: no chunk of .metadata at {list(item.storage_index.offset)}")
     problem = record_problem(archive.obj, fqn, chunk, tmd.properties.dtype)
@@ -330,16 +338,6 @@ def _load_item(
     target = planner.resolve_tensor(item).detach()
     _fill(archive, item, target, h, (offset, length))
     planner.commit_tensor(item, target)
-
-
-def _chunk_sizes(planner: Any, tmd: Any, fqn: str) -> dict[tuple[int, ...], list[int]]:
-    """The chunks of ``fqn`` (metadata ``tmd``): offsets -> sizes, built once per tensor and
-    load (kept on the load's ``planner``; a rank reads many chunks of one tensor)."""
-    cache = planner.__dict__.setdefault("_dcpkit_chunk_sizes", {})
-    found = cache.get(fqn)
-    if found is None:
-        found = cache[fqn] = {tuple(c.offsets): list(c.sizes) for c in tmd.chunks}
-    return found
 
 
 def _fill(

@@ -23,41 +23,51 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import os
 from typing import Any
 
 import torch
 import xxhash
+from torch.distributed.checkpoint.planner import LoadItemType
 
 from dcpkit import dist
 from dcpkit.manifest import Problem
 
 BATCH = 256 << 20
-SHARE_ABOVE = float(os.environ.get("DCPKIT_SHARE_ABOVE", "0.02"))
+SHARE_ABOVE = float(os.environ.get("DCPKIT_SHARE_ABOVE", "0.25"))
 """Records are shared when reading them rank by rank would read more than this fraction of the
-needed bytes twice (DDP, HSDP: most of them); below it (FSDP: a few replicated values), each rank
-reads what it needs on its own. ``DCPKIT_SHARE_ABOVE=inf`` never shares (each rank reads all it
+stored bytes twice (DDP, HSDP: all of them, once per extra replica); below it (FSDP, and a load
+at another layout: each rank its own rows, and a few replicated values read by all), each rank
+reads what it needs on its own (sending a record between ranks can cost more than reading it
+again). ``DCPKIT_SHARE_ABOVE=inf`` never shares (each rank reads all it
 needs: for a store whose reads cost less than the process group's transfers)."""
 Record = tuple[str, int, int]  # file, offset, length
 
 
-def exchange(can_share: bool, records: list[Record], verifies: list[str]) -> Any:
+def exchange(
+    can_share: bool, records: list[Record], verifies: list[str], wants: list[int] | None = None
+) -> Any:
     """The gather every rank joins once per load (``can_share`` False: this rank failed before
-    reading, or reads what cannot be shared): None unless every rank can share and the records
-    needed by several ranks are more than ``SHARE_ABOVE`` of the bytes; else the plan (``need``:
-    record -> the ranks that need it, ``owner``: record -> the rank that reads it)."""
-    infos = dist.all_gather_object((can_share, records, verifies))
-    if not all(ok for ok, _, _ in infos):
+    reading, or reads what cannot be shared): None unless every rank can share and reading rank
+    by rank would read more than ``SHARE_ABOVE`` of the records' bytes twice; else the plan
+    (``need``: record -> the ranks that need it, ``owner``: record -> the rank that reads it).
+    ``wants``: the bytes of each record this rank reads when it reads for itself (its rows of a
+    tensor stored whole: a load at another layout; default: all of each)."""
+    if wants is None:
+        wants = [rec[2] for rec in records]
+    infos = dist.all_gather_object((can_share, records, verifies, sum(wants)))
+    if not all(ok for ok, _, _, _ in infos):
         return None
     need: dict[Record, list[int]] = collections.defaultdict(list)
-    for rank, (_, recs, _) in enumerate(infos):
+    for rank, (_, recs, _, _) in enumerate(infos):
         for rec in recs:
             need[tuple(rec)].append(rank)  # type: ignore[index]
-    distinct = sum(rec[2] for rec in need)
-    redundant = sum(rec[2] * (len(ranks) - 1) for rec, ranks in need.items())
+    distinct = sum(rec[2] for rec in need)  # what sharing reads: each record once, whole
+    redundant = sum(alone for _, _, _, alone in infos) - distinct
     if redundant <= SHARE_ABOVE * distinct:  # each rank reads for itself, in parallel threads
         return None
-    verifier = {f: rank for rank, (_, _, files) in enumerate(infos) for f in files}
+    verifier = {f: rank for rank, (_, _, files, _) in enumerate(infos) for f in files}
     assigned = [0] * len(infos)
     owner: dict[Record, int] = {}
     for rec in sorted(need, key=lambda r: (-r[2], r)):
@@ -67,6 +77,28 @@ def exchange(can_share: bool, records: list[Record], verifies: list[str]) -> Any
             owner[rec] = min(need[rec], key=lambda r: (assigned[r], r))
         assigned[owner[rec]] += rec[2]
     return need, owner
+
+
+def wanted(planner: Any, item: Any, length: int) -> int:
+    """About the bytes of its ``length``-byte record that reading ``item`` alone reads: its
+    share of the stored chunk's elements (its rows), or the whole record for other values."""
+    if item.type == LoadItemType.BYTE_IO:
+        return length
+    fqn = item.storage_index.fqn
+    tmd = planner.metadata.state_dict_metadata.get(fqn)
+    chunk = chunk_sizes(planner, tmd, fqn).get(tuple(item.storage_index.offset)) if tmd else None
+    whole = math.prod(chunk) if chunk else 0
+    return length if whole == 0 else length * math.prod(item.lengths) // whole
+
+
+def chunk_sizes(planner: Any, tmd: Any, fqn: str) -> dict[tuple[int, ...], list[int]]:
+    """The chunks of ``fqn`` (metadata ``tmd``): offsets -> sizes, built once per tensor and
+    load (kept on the load's ``planner``; a rank reads many chunks of one tensor)."""
+    cache = planner.__dict__.setdefault("_dcpkit_chunk_sizes", {})
+    found = cache.get(fqn)
+    if found is None:
+        found = cache[fqn] = {tuple(c.offsets): list(c.sizes) for c in tmd.chunks}
+    return found
 
 
 def batches(records: list[Record]) -> list[list[Record]]:
