@@ -337,7 +337,9 @@ def main() -> int:
 
     def dump(partial: bool, **extra: float) -> None:
         if opts.json:  # what is measured so far survives a run cut short
-            out = {"device": opts.device, "partial": partial, **extra}
+            command = " ".join(["python", "benchmarks/async_stall.py", *sys.argv[1:]])
+            out = {"command": command, "device": opts.device, "saves": opts.saves}
+            out.update(partial=partial, cpus=os.cpu_count(), **extra)
             out.update(results=results, pressure=pressure)
             opts.json.write_text(json.dumps(out, indent=2) + "\n")
 

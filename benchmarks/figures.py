@@ -42,6 +42,14 @@ def _size(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
 
 
+def _span(values: list[float]) -> str:
+    def ratio(x: float) -> str:  # two decimals, or two significant digits below 0.1
+        return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
+
+    low, high = ratio(min(values)), ratio(max(values))
+    return f"{low}x" if low == high else f"{low}-{high}x"
+
+
 def trainer_stall(data: dict) -> str:
     names = {"trainer": "the `Trainer`'s own save"}
     saves = len(next(iter(data["results"].values()))["stalls_s"])
@@ -128,12 +136,306 @@ def readers_beside(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def s3_transfer(data: dict) -> str:
+    rows = data["rows"]
+    lines = [
+        "| ranks | GiB | op | dcpkit | raw (boto3) | s3torchconnector | dcpkit / raw "
+        "| dcpkit / s3torchconnector |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for op in ("save", "load"):
+            cells = " | ".join(f"{r[f'{who}_{op}_s']:.2f} s" for who in ("dcpkit", "raw", "s3tc"))
+            lines.append(
+                f"| {r['ranks']} | {r['gib']:.2f} | {op} | {cells} | {r[f'{op}_vs_raw']:.2f}x "
+                f"| {r[f'{op}_vs_s3tc']:.2f}x |"
+            )
+    peaks = ", ".join(f"{r['load_peak_over_mib']:.0f} MiB at {r['ranks']} rank(s)" for r in rows)
+    upload = ", ".join(f"{r['gib'] / r['raw_save_s']:.2f}" for r in rows)
+    lines += [
+        "",
+        f"(x: dcpkit's speed over the other's; medians of {data['repeats']}, {data['cpus']} CPUs.) "
+        f"A load's peak resident\nmemory above the process's before it: {peaks} (sampled every "
+        f"2 ms), against the stated\nbound of parts in flight ({data['parts_in_flight_mib']:.0f} "
+        f"MiB). The raw upload ran at {upload} GiB/s.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def s3_transfer_summary(data: dict) -> str:
+    rows = data["rows"]
+    lines = [
+        f"{rows[0]['gib']:.2f} GiB of model + AdamW saved to and loaded from SeaweedFS (a real S3 "
+        "server, loopback) in\none run of `benchmarks/s3_transfer.py` (median of "
+        f"{data['repeats']}, slowest rank; a load verifies checksums):",
+        "",
+        "| ranks | op | dcpkit | raw boto3 transfer | s3torchconnector |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for op in ("save", "load"):
+            lines.append(
+                f"| {r['ranks']} | {op} | {r[f'dcpkit_{op}_s']:.2f} s | {r[f'raw_{op}_s']:.2f} s "
+                f"({r[f'{op}_vs_raw']:.2f}x) | {r[f's3tc_{op}_s']:.2f} s "
+                f"({r[f'{op}_vs_s3tc']:.2f}x) |"
+            )
+    spans = {
+        (who, op): _span([r[f"{op}_vs_{who}"] for r in rows])
+        for who in ("raw", "s3tc")
+        for op in ("save", "load")
+    }
+    peak = max(r["load_peak_over_mib"] for r in rows)
+    lines += [
+        "",
+        f"x: dcpkit's speed over the other's: {spans['raw', 'save']} a raw transfer to save and "
+        f"{spans['raw', 'load']} to load;\n{spans['s3tc', 'save']} and {spans['s3tc', 'load']} "
+        f"s3torchconnector. A load stays within {data['parts_in_flight_mib']:.0f} MiB of parts in "
+        f"flight ({peak:.0f} MiB\nmeasured at most).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+ASYNC_NAMES = {
+    "disabled": "`disabled` (sync)",
+    "async": "`async`",
+    "async_with_pinned_mem": "`async_with_pinned_mem`",
+    "torch_async_save": "PyTorch `dcp.async_save`, default stager",
+}
+
+
+def async_stall(data: dict) -> str:
+    results, floor = data["results"], data["floor_s"]
+    gib = next(iter(results.values()))["state_bytes"] / GIB
+    lines = [
+        f"One run on {data['cpus']} CPUs, {gib:.2f} GiB of model + AdamW state, medians of saves "
+        f"3-{data['saves']}:",
+        "",
+        f"| mode | blocked per save | x copy floor ({floor:.3f} s) | x sync save | durable after "
+        f"| RSS growth, save 2 -> {data['saves']} |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, r in results.items():
+        lines.append(
+            f"| {ASYNC_NAMES[mode]} | {r['blocked_median_s']:.3f} s | {r['x_floor']:.2f} "
+            f"| {r['x_sync']:.3f} | {r['durable_median_s']:.3f} s "
+            f"| {r['rss_growth_after_second_save'] / MIB:.1f} MiB |"
+        )
+    sync = results["disabled"]
+    save = sync["checkpoint_bytes"] / GIB / sync["durable_median_s"]
+    raw = sync["raw_bytes"] / GIB / sync["raw_write_fsync_s"]
+    lines += [
+        "",
+        f"Same run: a sync save wrote {save:.2f} GiB/s, a raw write + fsync of the same bytes "
+        f"{raw:.2f} GiB/s.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def async_pressure(data: dict) -> str:
+    pressure = data["pressure"]
+    alone = sorted(r["compute_alone_s"] for r in pressure.values())[len(pressure) // 2]
+    lines = [
+        f"| mode | compute between saves (alone: {alone:.2f} s) | blocked per save "
+        "| forced by the disk | x PyTorch |",
+        "|---|---|---|---|---|",
+    ]
+    for mode, r in pressure.items():
+        name = ASYNC_NAMES[mode].split(",")[0]
+        lines.append(
+            f"| {name} | {r['compute_median_s']:.3f} s | {r['blocked_median_s']:.3f} s "
+            f"| {r['forced_s']:.3f} s | {r['x_torch']:.2f} |"
+        )
+    slower = [r["compute_median_s"] / r["compute_alone_s"] for r in pressure.values()]
+    lines += ["", f"The compute between saves ran {_span(slower)} its time alone."]
+    return "\n".join(lines) + "\n"
+
+
+def async_stall_summary(data: dict) -> str:
+    results = data["results"]
+    gib = next(iter(results.values()))["state_bytes"] / GIB
+    blocked = {mode: f"{r['blocked_median_s']:.3f} s" for mode, r in results.items()}
+    return (
+        f"{gib:.2f} GiB of model + AdamW, the blocked time per save in one run of\n"
+        f"`benchmarks/async_stall.py` (medians of saves 3-{data['saves']}): synchronous "
+        f"{blocked['disabled']}, `async`\n{blocked['async']}, `async_with_pinned_mem` "
+        f"{blocked['async_with_pinned_mem']}, PyTorch's own `dcp.async_save`\n"
+        f"{blocked['torch_async_save']}, against a plain copy of the same state into memory at "
+        f"{data['floor_s']:.3f} s.\n"
+    )
+
+
+def _times(x: float) -> str:
+    return f"{x:.2f}" if x < 1 else f"{x:.1f}" if x < 10 else f"{x:.0f}"
+
+
+def train_cost(data: dict) -> str:
+    step, floor = data["baseline_step_s"], data["copy_floor_s"]
+    lines = [
+        f"| mode | true cost per save (step-time delta) | x a step ({step:.3f} s) "
+        f"| blocked per save (`checkpoint_stall_s`) | x copy floor ({floor:.4f} s) |",
+        "|---|---|---|---|---|",
+    ]
+    for mode, r in data["results"].items():
+        lines.append(
+            f"| {ASYNC_NAMES[mode]} | {r['true_cost_per_save_s']:.3f} s "
+            f"| {r['true_cost_per_save_s'] / step:.2f} | {r['blocked_per_save_s']:.4f} s "
+            f"| {_times(r['blocked_x_copy_floor'])} |"
+        )
+    results = data["results"]
+    if "disabled" in results:
+        sync = results["disabled"]
+        others = [r for m, r in results.items() if m != "disabled"]
+        blocked = _span([r["blocked_per_save_s"] / sync["blocked_per_save_s"] for r in others])
+        cost = _span([r["true_cost_per_save_s"] / sync["true_cost_per_save_s"] for r in others])
+        lines += [
+            "",
+            f"{data['saves']} saves, {data['state_bytes_per_rank'] / MIB:.0f} MiB of state per "
+            f"rank; an async save blocked {blocked} as long as a\nsynchronous one, and cost "
+            f"the run {cost} as much.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+CONVERT_NAMES = {
+    "raw read+write": "raw read+write of the same bytes",
+    "dcpkit to-torch": "`dcpkit to-torch`",
+    "dcpkit to-hf": "`dcpkit to-hf`",
+    "dcpkit from-hf": "`dcpkit from-hf`",
+    "torch dcp_to_torch_save": "PyTorch `dcp_to_torch_save`",
+}
+
+
+def convert(data: dict) -> str:
+    sizes = data["sizes"]
+    head = " | ".join(f"{d['checkpoint_bytes'] / GIB:.2f} GiB: s (x raw), peak RSS" for d in sizes)
+    lines = [f"| operation | {head} |", "|---|" + "---|" * len(sizes)]
+    for op, name in CONVERT_NAMES.items():
+        cells = []
+        for d in sizes:
+            r = d["results"].get(op)
+            cells.append(
+                f"skipped: {d['skipped'][op]}"
+                if r is None
+                else f"{r['wall_s']:.2f} ({r['wall_vs_raw']:.2f}x), "
+                f"{r['rss_above_baseline_bytes'] / MIB:.0f} MiB"
+            )
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
+def convert_model(data: dict) -> str:
+    (d,) = data["sizes"]
+    lines = [
+        f"| Llama 3 {data['flavor']}, {d['dtype']}, {d['checkpoint_bytes'] / GIB:.2f} GiB "
+        "| wall s | x raw read+write | peak RSS above baseline |",
+        "|---|---|---|---|",
+    ]
+    for op, name in CONVERT_NAMES.items():
+        r = d["results"].get(op)
+        if r is not None:
+            lines.append(
+                f"| {name} | {r['wall_s']:.2f} | {r['wall_vs_raw']:.2f} "
+                f"| {r['rss_above_baseline_bytes'] / MIB:.0f} MiB |"
+            )
+    for op, why in d["skipped"].items():
+        lines += ["", f"{CONVERT_NAMES[op]} is not run at this size: it {why}."]
+    return "\n".join(lines) + "\n"
+
+
+def moe_convert(data: dict) -> str:
+    names = {
+        "raw read+write": "raw read+write of the checkpoint's bytes",
+        "dcpkit to-hf": "`dcpkit to-hf` (stacked -> one tensor per expert)",
+        "dcpkit from-hf": "`dcpkit from-hf` (per expert -> stacked)",
+        "dcpkit from-hf (FP8 source)": "`dcpkit from-hf` from FP8, dequantized to bf16",
+    }
+    bound = data["rss_bound_bytes"] / MIB
+    lines = [
+        f"{data['args']['experts']} experts, {data['checkpoint_bytes'] / GIB:.2f} GiB in bfloat16; "
+        f"the FP8 folder {data['fp8_folder_bytes'] / GIB:.2f} GiB; the largest\nstacked expert "
+        f"tensor {data['largest_stacked_expert_bytes'] / MIB:.0f} MiB:",
+        "",
+        "| operation | wall s | x raw read+write | peak RSS above baseline "
+        "| bound: largest stacked expert + 256 MiB |",
+        "|---|---|---|---|---|",
+    ]
+    for op, name in names.items():
+        r = data["results"][op]
+        cell = "" if op == "raw read+write" else f"{bound:.0f} MiB"
+        lines.append(
+            f"| {name} | {r['wall_s']:.2f} | {r['wall_vs_raw']:.2f} "
+            f"| {r['rss_above_baseline_bytes'] / MIB:.0f} MiB | {cell} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def model_io(data: dict) -> str:
+    gib = data["checkpoint_bytes"] / GIB
+    runs = data["runs"]
+    head = " | ".join(f"{n} rank(s): s | GiB/s | x raw" for n in runs)
+    lines = [
+        f"| Llama 3 {data['flavor']}, {data['dtype']}, {gib:.2f} GiB | {head} |",
+        "|---|" + "---|---|---|" * len(runs),
+    ]
+    rows = [
+        ("load, page cache dropped", "load_s", "raw_read_s"),
+        ("raw parallel read of the same files", "raw_read_s", None),
+        ("sync save (durable, published)", "save_s", "raw_write_fsync_s"),
+        ("raw write + fsync of the same bytes", "raw_write_fsync_s", None),
+    ]
+    for name, key, base in rows:
+        cells = []
+        for run in runs.values():
+            t = run["slowest"][key]
+            x = f"{run['slowest'][base] / t:.2f}" if base else ""
+            cells.append(f"{t:.2f} | {gib / t:.2f} | {x}")
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    load = [run["slowest"]["load_peak_above_model"] / MIB for run in runs.values()]
+    save = [run["slowest"]["save_peak_above_model"] / MIB for run in runs.values()]
+    lines += [
+        "",
+        f"Medians of {data['reps']}. Peak memory above the model's own: {min(load):.0f}-"
+        f"{max(load):.0f} MiB for a load (each stored\nchunk is read into the parameter it "
+        f"belongs to) and {min(save):.0f}-{max(save):.0f} MiB for a save.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 SOURCES: dict[str, Source] = {
     "readers_beside": Source(
         "benchmarks/results/readers_beside.json", "benchmarks/readers_beside.py", readers_beside
     ),
     "trainer_stall": Source(
         "benchmarks/results/trainer_stall.json", "benchmarks/trainer_stall.py", trainer_stall
+    ),
+    "async_stall": Source(
+        "benchmarks/results/async_stall.json", "benchmarks/async_stall.py", async_stall
+    ),
+    "async_pressure": Source(
+        "benchmarks/results/async_stall.json", "benchmarks/async_stall.py", async_pressure
+    ),
+    "async_stall_summary": Source(
+        "benchmarks/results/async_stall.json", "benchmarks/async_stall.py", async_stall_summary
+    ),
+    "train_cost": Source(
+        "benchmarks/results/train_cost.json", "benchmarks/train_cost.py", train_cost
+    ),
+    "train_cost_200m": Source(
+        "benchmarks/results/train_cost_200m.json", "benchmarks/train_cost.py", train_cost
+    ),
+    "convert": Source("benchmarks/results/convert.json", "benchmarks/convert.py", convert),
+    "convert_8b": Source(
+        "benchmarks/results/convert_8b.json", "benchmarks/convert.py", convert_model
+    ),
+    "moe_convert": Source(
+        "benchmarks/results/moe_convert.json", "benchmarks/moe_convert.py", moe_convert
+    ),
+    "model_io": Source("benchmarks/results/model_io.json", "benchmarks/model_io.py", model_io),
+    "s3_transfer": Source(
+        "benchmarks/results/s3_transfer.json", "benchmarks/s3_transfer.py", s3_transfer
+    ),
+    "s3_transfer_summary": Source(
+        "benchmarks/results/s3_transfer.json", "benchmarks/s3_transfer.py", s3_transfer_summary
     ),
     "metadata_verify": Source(
         "benchmarks/results/planning_scale_verify.json",
@@ -145,7 +447,13 @@ SOURCES: dict[str, Source] = {
 
 def render(name: str) -> str:
     source = SOURCES[name]
-    return source.render(json.loads((ROOT / source.results).read_text()))
+    path = ROOT / source.results
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"figures block {name!r}: its results file {source.results} is missing "
+            f"(written by {source.script} with --json)"
+        )
+    return source.render(json.loads(path.read_text()))
 
 
 def check_text(text: str, where: str) -> list[str]:
@@ -158,7 +466,11 @@ def check_text(text: str, where: str) -> list[str]:
                 f"{where}: figures block {name!r} has no source (benchmarks/figures.py)"
             )
             continue
-        want = render(name)
+        try:
+            want = render(name)
+        except FileNotFoundError as e:
+            problems.append(f"{where}: {e}")
+            continue
         if shown != want:
             differ = next(
                 (a, b)
@@ -187,7 +499,11 @@ def main() -> int:
         if opts.check:
             problems += check_text(text, where)
             continue
-        new = BLOCK.sub(lambda m: m.group(1) + render(m.group(2)) + m.group(4), text)
+        try:
+            new = BLOCK.sub(lambda m: m.group(1) + render(m.group(2)) + m.group(4), text)
+        except FileNotFoundError as e:
+            print(f"{where}: {e}", file=sys.stderr)
+            return 1
         if new != text:
             page.write_text(new)
             print(f"figures: {where} updated")

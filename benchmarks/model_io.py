@@ -189,7 +189,9 @@ def main() -> int:
     from dcpkit.models.llama3 import LLAMA3_FLAVORS
 
     work = Path(tempfile.mkdtemp(prefix="dcpkit-model-io-", dir=opts.workdir))
-    results: dict = {"flavor": opts.flavor, "dtype": opts.dtype, "runs": {}}
+    command = " ".join(["python", "benchmarks/model_io.py", *sys.argv[1:]])
+    results: dict = {"command": command, "flavor": opts.flavor, "dtype": opts.dtype}
+    results.update(reps=opts.reps, runs={})
     try:
         src = work / "checkpoint"
         t0 = time.perf_counter()

@@ -235,7 +235,14 @@ def main() -> int:
             f"it: {peak:.0f} MiB (the stated bound of parts in flight: {bound:.0f} MiB)"
         )
     if opts.json:
-        opts.json.write_text(json.dumps(rows, indent=1))
+        record = {
+            "command": " ".join(["python", "benchmarks/s3_transfer.py", *sys.argv[1:]]),
+            "repeats": opts.repeats,
+            "parts_in_flight_mib": bound,
+            "cpus": os.cpu_count(),
+            "rows": rows,
+        }
+        opts.json.write_text(json.dumps(record, indent=1) + "\n")
     if opts.png:
         _plot(rows, opts.png)
     return 0

@@ -160,6 +160,8 @@ def main() -> int:
         opts.json.write_text(
             json.dumps(
                 {
+                    "command": " ".join(["python", "benchmarks/train_cost.py", *sys.argv[1:]]),
+                    "saves": len(saves_in),
                     "nproc": opts.nproc,
                     "flavor": opts.flavor,
                     "interval": opts.interval,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +215,12 @@ def test_the_pages_figures_come_from_their_results_files():
     text = (ROOT / "docs" / "integrations.md").read_text()
     problems = figures.check_text(text.replace("| 2.00 s |", "| 2.01 s |"), "integrations.md")
     assert len(problems) == 1 and "'trainer_stall'" in problems[0], problems
+    for page in figures.pages():  # in every block of every page, one digit changed is caught
+        text = page.read_text()
+        for m in figures.BLOCK.finditer(text):
+            digit = re.search(r"\d", m.group(3))
+            assert digit, f"{page.name}: block {m.group(2)!r} shows no figure"
+            at = m.start(3) + digit.start()
+            changed = text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1 :]
+            problems = figures.check_text(changed, page.name)
+            assert len(problems) == 1 and f"{m.group(2)!r}" in problems[0], problems
