@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -43,10 +44,9 @@ def _size(n: float) -> str:
 
 
 def _span(values: list[float]) -> str:
-    def ratio(x: float) -> str:  # two decimals, or two significant digits below 0.1
-        return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
-
-    low, high = ratio(min(values)), ratio(max(values))
+    least = min(values)  # two decimals; below 0.1, two significant digits of the least
+    places = 2 if least >= 0.1 or least <= 0 else max(2, 1 - math.floor(math.log10(least)))
+    low, high = f"{least:.{places}f}", f"{max(values):.{places}f}"
     return f"{low}x" if low == high else f"{low}-{high}x"
 
 
