@@ -118,9 +118,8 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
             record = (rel, offset, length)
             more = shared_read.wanted(planner, item, length)
             wants[record] = min(length, wants.get(record, 0) + more)
-        records = sorted(wants)
-        wanted = [wants[r] for r in records]
-        plan = shared_read.exchange(can_share, records, sorted(self.checksums), wanted)
+        alone = sum(wants.values())
+        plan = shared_read.exchange(can_share, sorted(wants), sorted(self.checksums), alone)
         if plan is None:
             return False
         self.was_shared = True

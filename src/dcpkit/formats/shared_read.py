@@ -40,23 +40,23 @@ SHARE_ABOVE = float(os.environ.get("DCPKIT_SHARE_ABOVE", "0.25"))
 stored bytes twice (DDP, HSDP: all of them, once per extra replica); below it (FSDP, and a load
 at another layout: each rank its own rows, and a few replicated values read by all), each rank
 reads what it needs on its own (sending a record between ranks can cost more than reading it
-again). ``DCPKIT_SHARE_ABOVE=inf`` never shares (each rank reads all it
-needs: for a store whose reads cost less than the process group's transfers)."""
+again). ``DCPKIT_SHARE_ABOVE=inf`` never shares (each rank reads all it needs: for a store whose
+reads cost less than the process group's transfers)."""
 Record = tuple[str, int, int]  # file, offset, length
 
 
 def exchange(
-    can_share: bool, records: list[Record], verifies: list[str], wants: list[int] | None = None
+    can_share: bool, records: list[Record], verifies: list[str], alone: int | None = None
 ) -> Any:
     """The gather every rank joins once per load (``can_share`` False: this rank failed before
     reading, or reads what cannot be shared): None unless every rank can share and reading rank
     by rank would read more than ``SHARE_ABOVE`` of the records' bytes twice; else the plan
     (``need``: record -> the ranks that need it, ``owner``: record -> the rank that reads it).
-    ``wants``: the bytes of each record this rank reads when it reads for itself (its rows of a
+    ``alone``: the bytes of ``records`` this rank reads when it reads for itself (its rows of a
     tensor stored whole: a load at another layout; default: all of each)."""
-    if wants is None:
-        wants = [rec[2] for rec in records]
-    infos = dist.all_gather_object((can_share, records, verifies, sum(wants)))
+    if alone is None:
+        alone = sum(rec[2] for rec in records)
+    infos = dist.all_gather_object((can_share, records, verifies, alone))
     if not all(ok for ok, _, _, _ in infos):
         return None
     need: dict[Record, list[int]] = collections.defaultdict(list)
