@@ -399,7 +399,9 @@ def main() -> int:
                 return 1
             runs.append(run)
     if opts.json:
-        opts.json.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
+        command = " ".join(["python", "benchmarks/io_speed.py", *sys.argv[1:]])
+        out = {"command": command, "dim": opts.dim, "reps": opts.reps, "runs": runs}
+        opts.json.write_text(json.dumps(out, indent=2) + "\n")
         print(f"\nwrote {opts.json}")
     png = opts.png or (opts.json.with_suffix(".png") if opts.json else None)
     if png:

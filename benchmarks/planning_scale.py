@@ -942,6 +942,7 @@ def main() -> int:
         print("\nbytes a load reads from storage, by data-parallel replicas:")
         reads = replica_reads(replicas)
     result = {
+        "command": " ".join(["python", "benchmarks/planning_scale.py", *sys.argv[1:]]),
         "tp": TP, "max_items": opts.max_items, "rows": rows, "growth": growth, "reads": reads,
     }  # fmt: skip
     if opts.json:

@@ -209,8 +209,16 @@ def main() -> int:
     if opts.json:
         opts.json.write_text(
             json.dumps(
-                {"gib": gib, "nproc": opts.nproc, "slowest": slowest, "ranks": ranks}, indent=2
+                {
+                    "command": " ".join(["python", "benchmarks/recovery.py", *sys.argv[1:]]),
+                    "gib": gib,
+                    "nproc": opts.nproc,
+                    "slowest": slowest,
+                    "ranks": ranks,
+                },
+                indent=2,
             )
+            + "\n"
         )
         print(f"\nwrote {opts.json}")
     return 0
