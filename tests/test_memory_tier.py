@@ -135,6 +135,45 @@ def test_memory_tier_at_another_world_size_uses_the_durable_tier(tmp_path):
     assert "not used at world size 1" in proc.stdout
 
 
+def _flip_a_byte_of_the_largest_data_file(step: Path) -> Path:
+    """Same size, other bytes: found only by the checksums of the load that reads it."""
+    data = max((p for p in step.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    return data
+
+
+def test_a_memory_tier_copy_failing_its_checksums_as_it_loads_falls_back_or_stops(
+    reference_run, tmp_path
+):
+    """The memory tier's data files are checksummed as the load reads them (one pass): a copy
+    whose bytes changed on one rank makes every rank load the durable tier instead, which
+    overwrites what was read (losses as the reference run's); with no durable checkpoint to
+    load instead, the load stops with an error naming the step, never a fresh start."""
+    dump, local = tmp_path / "run", tmp_path / "shm"
+    args = (*TIERS, "--checkpoint.local_folder", str(local))
+    run_train(2, dump, *args, env={"DCPKIT_FAILPOINT": "local_write:8"}, check=False)
+    assert (local / "rank-1" / "step-6").is_dir() and (dump / "checkpoint" / "step-5").is_dir()
+    _flip_a_byte_of_the_largest_data_file(local / "rank-1" / "step-6")
+    proc = run_train(2, dump, *args, "--training.stop_at_step", "8")
+    assert "memory tier step 6 failed verification as it was loaded (rank 1:" in proc.stdout
+    assert "loading the durable tier's step-5 instead" in proc.stdout, proc.stdout[-3000:]
+    assert "resuming after step 5" in proc.stdout
+    ref, got = read_metrics(reference_run), read_metrics(dump)
+    assert [got[s]["loss"] for s in range(6, 9)] == [ref[s]["loss"] for s in range(6, 9)]
+
+    dump, local = tmp_path / "alone", tmp_path / "shm-alone"
+    args = (*TIERS, "--checkpoint.interval", "100", "--checkpoint.local_folder", str(local))
+    run_train(2, dump, *args, env={"DCPKIT_FAILPOINT": "local_write:6"}, check=False)
+    _flip_a_byte_of_the_largest_data_file(local / "rank-0" / "step-4")
+    proc = run_train(2, dump, *args, "--training.stop_at_step", "6", check=False)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "memory tier step 4 failed verification as it was loaded (rank 0:" in out, out[-3000:]
+    assert "no durable checkpoint to load instead" in out and str(local) in out
+
+
 def test_back_to_back_async_saves_in_both_tiers_finish(tmp_path):
     """40 steps, an asynchronous durable save every 2 steps and a memory-tier save on every
     other step: no hang, no collective mismatch (under a timeout)."""

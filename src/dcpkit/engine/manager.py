@@ -109,13 +109,8 @@ class CheckpointManager:
         plan = load_plan.plan_everywhere(self.config, self.store, self.states)
         plan.raise_if_failed()
         if self._memory is not None and self.config.load_step == -1:
-            step = self._memory.recover(plan.step)
+            step = self._memory.load(plan.step, plan.name, self._restore)
             if step is not None:
-                start = time.perf_counter()
-                loaded = self._restore(self._memory.own, step_name(step), False, own_rank=True)
-                took, pieces = time.perf_counter() - start, ", ".join(loaded)
-                summary(logger, f"checkpoint: loaded step {step} from the memory tier ({pieces}) "
-                        f"in {took:.2f}s")  # fmt: skip
                 self.loaded_step = self._resumed_from = step
                 return step
         if plan.name is None:

@@ -24,6 +24,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from dcpkit import dist, failpoints
+from dcpkit.console import summary
 from dcpkit.engine.policy import steps_to_delete
+from dcpkit.engine.reading import FailedVerification
 from dcpkit.errors import CheckpointError
 from dcpkit.integrity import check_files
-from dcpkit.layout import MANIFEST, step_name
-from dcpkit.manifest import build_manifest
+from dcpkit.layout import MANIFEST, METADATA, METADATA_INDEX, step_name
+from dcpkit.manifest import CHECKSUM_ALGORITHM, build_manifest
 from dcpkit.storage import open_store
 
 logger = logging.getLogger(__name__)
@@ -125,6 +128,7 @@ class MemoryTier:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_stall_s = 0.0
+        self._checksums: dict[str, str] = {}  # of the step recover() chose, its data files
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
@@ -248,10 +252,17 @@ class MemoryTier:
                 _send(_pack(open_store(str(self.root / entry)), name), r, self.group)
             elif self.rank == r:
                 _unpack(self.own, _recv(q, self.group))
-        # sizes and checksums of this rank's files (a rank's step holds its own shards only)
-        manifest, problems = self.own.read_manifest(step_name(chosen))
+        # this rank's files (a rank's step holds its own shards only): every size, and the
+        # checksums of what is parsed before the data; the data's as the load reads it (load())
+        manifest, problems = self.own.read_manifest(name)
         if manifest is not None:
-            problems = check_files(self.own, step_name(chosen), manifest)
+            problems = check_files(self.own, name, manifest, names=[METADATA, METADATA_INDEX])
+            self._checksums = {
+                n: e[CHECKSUM_ALGORITHM]
+                for n, e in manifest["files"].items()
+                if n not in (METADATA, METADATA_INDEX) and isinstance(e, dict)
+                and isinstance(e.get(CHECKSUM_ALGORITHM), str)
+            }  # fmt: skip
         bad = dist.all_gather_object(str(problems[0]) if problems else None)
         if any(bad):
             if self.rank == 0:
@@ -272,6 +283,40 @@ class MemoryTier:
                 fetched or "none",
             )
         return chosen
+
+    def load(
+        self, durable_latest: int | None, durable: str | None, restore: Callable[..., list[str]]
+    ) -> int | None:
+        """A collective: ``restore`` (the manager's) the step ``recover`` chose, each rank its
+        copy, its data checksummed as it is read. None: use the durable tier (nothing newer
+        here, or a copy failed its checksums: the durable load overwrites it); with no durable
+        checkpoint (``durable`` None) a failed copy is an error, the live state partly loaded."""
+        step = self.recover(durable_latest)
+        if step is None:
+            return None
+        start, failed = time.perf_counter(), None
+        try:
+            loaded = restore(self.own, step_name(step), False, own_rank=True,
+                             checksums=self._checksums)  # fmt: skip
+        except Exception as e:  # any rank's failure, every rank's decision: none waits alone
+            why = e.problems[0] if isinstance(e, FailedVerification) else f"{type(e).__name__}: {e}"
+            loaded, failed = [], f"rank {self.rank}: {why}"
+        bad = [b for b in dist.all_gather_object(failed) if b]
+        if not bad:
+            summary(logger, f"checkpoint: loaded step {step} from the memory tier "
+                    f"({', '.join(loaded)}) in {time.perf_counter() - start:.2f}s")  # fmt: skip
+            return step
+        if durable is None:
+            raise CheckpointError(
+                f"checkpoint: memory tier step {step} failed verification as it was loaded "
+                f"({bad[0]}) and there is no durable checkpoint to load instead: the live state "
+                f"is partly overwritten. Remove the memory tier ({self.root}) to start afresh."
+            )
+        if self.rank == 0:
+            why = "failed verification as it was loaded"
+            logger.warning("checkpoint: memory tier step %d %s (%s): loading the durable tier's "
+                           "%s instead", step, why, bad[0], durable)  # fmt: skip
+        return None
 
     def close(self) -> None:
         self.wait()
