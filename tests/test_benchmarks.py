@@ -147,6 +147,41 @@ def test_io_speed_benchmark_small(tmp_path):
 
     height, width = matplotlib.image.imread(png).shape[:2]
     assert width > 1.8 * height  # two panels side by side: 1 rank, 2 ranks
+    table = _figures("_figures_io").io_speed(json.loads(out.read_text()))
+    assert table.splitlines()[0].count(" rank") == 4  # a column per run
+    assert "Medians of 1, slowest rank." in table and "goal" not in table  # under 4 GiB
+
+
+def _figures(module: str):  # type: ignore[no-untyped-def]
+    """A renderer module of benchmarks/figures.py (the benchmarks' folder on sys.path)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_recovery_benchmark_small(tmp_path):
+    """The recovery benchmark at a toy size without the S3 tier: restores from the memory tier
+    and from the durable tier (warm, dropped), the memory-tier stall beside its copy floor,
+    and the page's table rendered from its results."""
+    out = tmp_path / "recovery.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "recovery.py"), "--gb", "0.05", "--no-s3"]
+    cmd += ["--dim", "256"]
+    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["command"].startswith("python benchmarks/recovery.py --gb 0.05")
+    for key in ("memory_load_s", "disk_warm_load_s", "disk_cold_load_s", "durable_save_s"):
+        assert data["slowest"][key] > 0, key
+    assert data["slowest"]["memory_save_stall_s"] > 0 and data["slowest"]["copy_floor_s"] > 0
+    assert data["ranks"][0]["memory_step"] == 15 and data["ranks"][0]["disk_step"] == 10
+    table = _figures("_figures_io").recovery(data)
+    assert "| memory tier (`/dev/shm`, peer replicas) | 15 |" in table
+    assert "| durable, local disk, page cache dropped (`posix_fadvise`) | 10 |" in table
+    assert "S3" not in table and "A memory-tier save blocked" in table
 
 
 def test_host_memory_benchmark_small(tmp_path):
@@ -224,3 +259,45 @@ def test_the_pages_figures_come_from_their_results_files():
             changed = text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1 :]
             problems = figures.check_text(changed, page.name)
             assert len(problems) == 1 and f"{m.group(2)!r}" in problems[0], problems
+
+
+MEASURED = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?(?:s|ms|GiB/s|GiB|MiB|KiB|x)(?![\w/])|[+-]\d+%")
+
+
+def test_no_table_shows_a_measured_figure_outside_a_generated_block():
+    """A table row of README.md or docs/*.md that shows a time, a size, a ratio or a relative
+    cost is inside a figures block (so it comes from a results file); the check itself catches
+    such a row."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import figures
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def loose(text: str) -> list[str]:
+        outside = figures.BLOCK.sub("", text)
+        return [
+            line for line in outside.splitlines() if line.startswith("|") and MEASURED.search(line)
+        ]
+
+    for page in figures.pages():
+        assert loose(page.read_text()) == [], page.name
+    assert loose("| restore from | seconds |\n|---|---|\n| memory tier | 0.17 s |\n") != []
+    assert loose("| x raw | 1 rank |\n|---|---|\n| load + verify | +12% |\n") != []
+    assert loose("| option | default |\n|---|---|\n| `interval` | 500 |\n") == []
+
+
+def test_a_generated_paragraph_never_wraps_into_a_list_or_a_table():
+    """Generated sentences are wrapped for the page; a line may not begin with '+12%', '-3%',
+    '* ', '| ' or '1.', which Markdown would render as a bullet, a table row or a list."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _format import para
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for shift in range(40):
+        text = "word " * shift + "costs +12% warm and -3% cold, 1. then | and * also > here " * 6
+        lines = para(text).splitlines()
+        assert " ".join(lines).split() == text.split()
+        assert all(len(line) <= 96 for line in lines)
+        assert not any(re.match(r"([-+*>|#]|\d+\.)\s", line) for line in lines[1:]), lines
