@@ -150,8 +150,14 @@ def planning_restart(data: dict) -> str:
         "index, while the ranks write |",
         "|---|---|---|",
     ]
+    known = [r for r in _rows(data, m) if "cached_gathered_bytes" in r]
+    per_rank = known[-1]["cached_gathered_bytes"] / known[-1]["world"]  # an empty plan each
     for r in rows:
-        gathered = size3(r["cached_gathered_bytes"]) if "cached_gathered_bytes" in r else "-"
+        gathered = (
+            size3(r["cached_gathered_bytes"])
+            if "cached_gathered_bytes" in r
+            else size3(per_rank * r["world"]) + STAR
+        )
         lines.append(
             f"| {r['world']}{_star(r)} | 1 planning, {seconds(r['global_plan_s'])}, "
             f"{size3(r['gathered_bytes'])} | 0; {seconds(r['restart_claim_s'])}; {gathered}; "

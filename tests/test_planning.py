@@ -94,6 +94,18 @@ def test_planning_scale_benchmark_small(tmp_path):
     # A cell over the item budget is extrapolated, and says so.
     assert any(not r["measured"] for r in rows if r["model"] == "70B")
     assert (tmp_path / "planning.png").stat().st_size > 0
+    # Scale's tables render from such a run: extrapolated cells marked, every model shown.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _figures_scale as scale
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    data = json.loads(out.read_text())
+    first = scale.planning(data)
+    assert "| 8B, 8 | " in first and "| 70B, 32 * | " in first and "0 plannings" in first
+    for render in (scale.planning_parse, scale.planning_index, scale.planning_restart):
+        assert "| 32 * |" in render(data) or "| 70B, 32 * |" in render(data), render.__name__
+    assert "| 32 | " in scale.planning_first_save(data)  # the first save: measured at every size
 
 
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
