@@ -3,7 +3,7 @@ from each tier (``benchmarks/recovery.py``), rendered from their results files."
 
 from __future__ import annotations
 
-from _format import GIB, para, percent, spread, times
+from _format import GIB, head, para, percent, spread, times
 
 IO_ROWS = [
     ("sync save (vs raw write + fsync)", "save_s", "raw_write_fsync_s"),
@@ -32,13 +32,19 @@ def _verify(run: dict, temp: str) -> float:
     return s[f"load_verify_{temp}_s"] / s[f"load_{temp}_s"] - 1
 
 
+def _hash_floor(run: dict) -> float:
+    """What hashing every byte adds to a warm raw read: the least any verification costs."""
+    s = run["slowest"]
+    return s["raw_read_hashed_warm_s"] / s["raw_read_warm_s"] - 1
+
+
 def io_speed(data: dict, goals: bool = True) -> str:
     runs = data["runs"]
-    head = " | ".join(
-        f"{r['checkpoint_bytes'] / GIB:.2f} GiB, {r['nproc']} rank{'s' * (r['nproc'] > 1)}"
-        for r in runs
-    )
-    lines = [f"| x raw, same run | {head} |", "|---|" + "---|" * len(runs)]
+    lines = head(
+        "x raw, same run",
+        *(f"{r['checkpoint_bytes'] / GIB:.2f} GiB, {r['nproc']} rank{'s' * (r['nproc'] > 1)}"
+          for r in runs),
+    )  # fmt: skip
     row = lambda name, cells: lines.append(f"| {name} | {' | '.join(cells)} |")  # noqa: E731
     for name, key, base in IO_ROWS:
         row(name, [f"{_x(r, key, base):.2f}" for r in runs])
@@ -46,9 +52,7 @@ def io_speed(data: dict, goals: bool = True) -> str:
         "verify-on-load, warm / dropped",
         [f"{percent(_verify(r, 'warm'))} / {percent(_verify(r, 'cold'))}" for r in runs],
     )
-    hashed = [
-        r["slowest"]["raw_read_hashed_warm_s"] / r["slowest"]["raw_read_warm_s"] - 1 for r in runs
-    ]
+    hashed = [_hash_floor(r) for r in runs]
     row("floor: raw read hashing every byte, warm", [percent(h) for h in hashed])
     row(
         "floor: DCP's own steps, no bytes (s)",
@@ -88,9 +92,7 @@ def _io_summary(data: dict, goals: bool) -> str:
         return spread([_x(r, key, base) for r in runs], "{:.2f}".format) + "x"
 
     cpu = [r["cpu"] for r in runs]
-    hashed = [
-        r["slowest"]["raw_read_hashed_warm_s"] / r["slowest"]["raw_read_warm_s"] - 1 for r in runs
-    ]
+    hashed = [_hash_floor(r) for r in runs]
     share = spread([c["xxh3_only_cpu"] / c["load_warm_cpu"] for c in cpu], percent)
     text = (
         f"Medians of {data['reps']}, slowest rank. Cold loads ran at "
@@ -138,8 +140,7 @@ def recovery(data: dict) -> str:
         f"One run, {gib:.2f} GiB of model + AdamW state FSDP-sharded over {data['nproc']} ranks "
         "(slowest rank):",
         "",
-        "| restore from | step | seconds | GiB/s | x memory tier |",
-        "|---|---|---|---|---|",
+        *head("restore from", "step", "seconds", "GiB/s", "x memory tier"),
     ]
     mem = slowest["memory_load_s"]
     for label, key, step in RECOVERY_ROWS:

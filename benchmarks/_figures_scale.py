@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 
-from _format import GIB, MIB, millions, para, seconds, size, size3, span
+from _format import GIB, MIB, head, millions, para, seconds, seconds_span, size, size3, span
 
 STAR = " *"
 
@@ -44,11 +44,10 @@ def _names(data: dict) -> str:
 
 
 def planning(data: dict) -> str:
-    lines = [
-        "| model, ranks | write items | global planning (DCP's own planner) | `.metadata` "
-        "| plans gathered | coordinator's peak | second save |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = head(
+        "model, ranks", "write items", "global planning (DCP's own planner)", "`.metadata`",
+        "plans gathered", "coordinator's peak", "second save",
+    )  # fmt: skip
     for m in _models(data):
         for r in _shown(data, m):
             dcp = r.get("dcp_global_plan_s")
@@ -84,10 +83,9 @@ def planning(data: dict) -> str:
 
 
 def planning_parse(data: dict) -> str:
-    lines = [
-        "| model, ranks | `.metadata` | parse | structure checks | global planning (same run) |",
-        "|---|---|---|---|---|",
-    ]
+    lines = head(
+        "model, ranks", "`.metadata`", "parse", "structure checks", "global planning (same run)"
+    )
     for m in _models(data):
         for r in _shown(data, m, smallest=256):
             lines.append(
@@ -103,11 +101,10 @@ def planning_parse(data: dict) -> str:
 
 
 def planning_index(data: dict) -> str:
-    lines = [
-        "| model, ranks | `.metadata`, pickled in | index, made in | one rank's load: parse / "
-        "index | verified: all checks / its share |",
-        "|---|---|---|---|---|",
-    ]
+    lines = head(
+        "model, ranks", "`.metadata`, pickled in", "index, made in",
+        "one rank's load: parse / index", "verified: all checks / its share",
+    )  # fmt: skip
     for m in _models(data):
         for r in _shown(data, m, smallest=256):
             pickled = f", {seconds(r['metadata_s'])}" if "metadata_s" in r else ""
@@ -126,8 +123,7 @@ def planning_index(data: dict) -> str:
         f"{_growth(data, 'index_check_s')}; the index {_growth(data, 'index_bytes')} in size and "
         f"{_growth(data, 'index_s')} in time to make. A {largest} rank's load finds its "
         f"{mine[-1]['index_chunks']} chunks in "
-        f"{seconds(min(r['load_index_s'] for r in mine)).removesuffix(' s')}-"
-        f"{seconds(max(r['load_index_s'] for r in mine))} at every world size measured. The "
+        f"{seconds_span([r['load_index_s'] for r in mine])} at every world size measured. The "
         "coordinator of every save makes the index in "
         f"{span([r['index_s'] / r['metadata_s'] for r in measured])} the time it takes to "
         "build the storage entries and pickle `.metadata`, and the index adds "
@@ -144,12 +140,12 @@ def _largest_model(data: dict) -> tuple[str, list[dict]]:
 
 def planning_restart(data: dict) -> str:
     m, rows = _largest_model(data)
-    lines = [
-        f"| {m}, ranks | a restart's first save, before: planned again | after: plannings; "
-        "each rank's plan, from the index; plans gathered; the coordinator's metadata, from the "
-        "index, while the ranks write |",
-        "|---|---|---|",
-    ]
+    lines = head(
+        f"{m}, ranks",
+        "a restart's first save, before: planned again",
+        "after: plannings; each rank's plan, from the index; plans gathered; the coordinator's "
+        "metadata, from the index, while the ranks write",
+    )
     known = [r for r in _rows(data, m) if "cached_gathered_bytes" in r]
     per_rank = known[-1]["cached_gathered_bytes"] / known[-1]["world"]  # an empty plan each
     for r in rows:
@@ -166,8 +162,7 @@ def planning_restart(data: dict) -> str:
     measured = [r for r in _rows(data, m) if r["measured"]]
     text = (
         f"A rank in the middle of the mesh takes its plan from the index in "
-        f"{seconds(min(r['restart_claim_s'] for r in measured)).removesuffix(' s')}-"
-        f"{seconds(max(r['restart_claim_s'] for r in measured))} at every size measured of "
+        f"{seconds_span([r['restart_claim_s'] for r in measured])} at every size measured of "
         f"{m} + AdamW; the coordinator builds the metadata from the index in "
         f"{span([r['restart_metadata_s'] / r['global_plan_s'] for r in measured])} the "
         "planning's time, no longer before any rank may write."
@@ -177,12 +172,12 @@ def planning_restart(data: dict) -> str:
 
 def planning_first_save(data: dict) -> str:
     m, rows = _largest_model(data)
-    lines = [
-        f"| {m}, ranks | before: the coordinator's planning (blocking), plans gathered, its peak "
-        "memory | after: blocking, plans gathered, peak memory while blocking | after: "
-        "`.metadata` streamed (its size, time), write results received, peak memory |",
-        "|---|---|---|---|",
-    ]
+    lines = head(
+        f"{m}, ranks",
+        "before: the coordinator's planning (blocking), plans gathered, its peak memory",
+        "after: blocking, plans gathered, peak memory while blocking",
+        "after: `.metadata` streamed (its size, time), write results received, peak memory",
+    )
     for r in rows:
         s = _star(r)
         dcp = f"{size3(r['metadata_bytes'])}{s}" + (
@@ -218,8 +213,7 @@ def planning_first_save(data: dict) -> str:
 
 def planning_replicas(data: dict) -> str:
     reads = data["reads"]
-    head = " | ".join(str(r["replicas"]) for r in reads)
-    lines = [f"| replicas | {head} |", "|---|" + "---|" * len(reads)]
+    lines = head("replicas", *(str(r["replicas"]) for r in reads))
     for label, side in (
         ("before: each rank reads what it needs", "each"),
         ("after: each record read once, shared", "shared"),
@@ -235,11 +229,10 @@ def metadata_verify(data: dict) -> str:
     whole_per_chunk = (small["verify_whole_peak_bytes"] - small["verify_start_bytes"]) / small[
         "verify_chunks"
     ]
-    lines = [
-        "| 405B, ranks | chunks | `.metadata` | arrays | reading and checks in arrays "
-        "| the same on DCP's objects |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines = head(
+        "405B, ranks", "chunks", "`.metadata`", "arrays", "reading and checks in arrays",
+        "the same on DCP's objects",
+    )  # fmt: skip
     per_chunk = []
     for world, r in sorted(rows.items()):
         arrays = f"{r['verify_s']:.0f} s, peak {r['verify_peak_bytes'] / GIB:.2f} GiB"

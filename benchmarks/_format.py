@@ -33,6 +33,16 @@ def millions(n: float) -> str:
     return f"{_sig3(n / 1e6)} M"
 
 
+def seconds_span(values: list[float]) -> str:
+    """The least and the greatest of some seconds: 0.16-0.17 s."""
+    return spread(values, lambda s: seconds(s).removesuffix(" s")) + " s"
+
+
+def head(*columns: str) -> list[str]:
+    """A Markdown table's header row and its separator, one cell per column."""
+    return [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
+
+
 def _sig3(x: float) -> str:
     return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
 
