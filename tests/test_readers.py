@@ -90,6 +90,8 @@ def _take(store, start: threading.Barrier, result: dict) -> None:
         result["hold"] = hold_step(store, 1, "race")
     except StepGone:
         result["hold"] = None
+    except Exception as e:  # the round's assertion names it
+        result["hold"], result["error"] = None, e
 
 
 def _drop(store, start: threading.Barrier, result: dict) -> None:
@@ -120,6 +122,7 @@ def test_a_reader_and_retention_never_both_go_ahead(tmp_path):
             t.start()
         for t in threads:
             t.join()
+        assert "error" not in result, f"the reader failed: {result['error']!r}"
         hold = result["hold"]
         if hold is not None:
             assert result["kept_by"], "retention deleted a step a reader held"
@@ -128,6 +131,30 @@ def test_a_reader_and_retention_never_both_go_ahead(tmp_path):
         outcomes["held" if hold is not None else "refused"] += 1
         outcomes["kept" if result["kept_by"] else "deleted"] += 1
     assert outcomes["held"] and outcomes["deleted"], outcomes  # both sides won sometimes
+    assert store.list_names(HOLDS) == []
+
+
+def test_markers_written_while_others_empty_and_remove_their_folder_never_fail(tmp_path):
+    """Readers and deleters each remove the holds folder once they empty it: a marker written
+    as the folder goes (inside the write, or inside its mkdir) makes the folder again."""
+    store = open_store(tmp_path / "checkpoint")
+    errors: list[BaseException] = []
+
+    def churn(n: int) -> None:
+        for _ in range(2000):
+            try:
+                store.write_bytes(f"{HOLDS}/hold-{n}.json", b"{}", durable=False)
+                store.remove(f"{HOLDS}/hold-{n}.json")
+                store.remove_empty_folder(HOLDS)
+            except Exception as e:  # the test counts every failure
+                errors.append(e)
+
+    threads = [threading.Thread(target=churn, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [], f"{len(errors)} marker writes failed, the first: {errors[0]!r}"
     assert store.list_names(HOLDS) == []
 
 

@@ -179,13 +179,16 @@ class LocalStore(CheckpointStore):
             return checksum_stream(f)
 
     def write_bytes(self, name: str, data: bytes, durable: bool = True) -> None:
-        for attempt in range(3):
-            self._p(name).parent.mkdir(parents=True, exist_ok=True)
+        # A marker's folder (.dcpkit-holds) is removed by whoever empties it: it may vanish
+        # between the mkdir that finds it there and the write, or inside the mkdir (which then
+        # raises FileExistsError for a folder that is no longer there): make it and try again.
+        for attempt in range(10):
             try:
+                self._p(name).parent.mkdir(parents=True, exist_ok=True)
                 write_durably(self._p(name), data, sync=durable)
                 return
-            except FileNotFoundError:  # its folder removed as it was emptied by another process
-                if attempt == 2:
+            except (FileNotFoundError, FileExistsError):
+                if attempt == 9 or self._p(name).parent.is_file():
                     raise
 
     def remove_empty_folder(self, name: str) -> None:
