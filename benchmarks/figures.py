@@ -37,7 +37,7 @@ from _figures_scale import (
     planning_replicas,
     planning_restart,
 )
-from _format import GIB, MIB, span, times
+from _format import GIB, MIB, head, span, times
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- figures: (\w+) -->\n)(.*?)(<!-- /figures -->)", re.S)
@@ -53,10 +53,9 @@ class Source:
 def trainer_stall(data: dict) -> str:
     names = {"trainer": "the `Trainer`'s own save"}
     saves = len(next(iter(data["results"].values()))["stalls_s"])
-    lines = [
-        f"| save | stall per save (median of {saves}) | a step without a save | the whole run |",
-        "| --- | --- | --- | --- |",
-    ]
+    lines = head(
+        "save", f"stall per save (median of {saves})", "a step without a save", "the whole run"
+    )
     for mode, r in data["results"].items():
         name = names.get(mode, f"dcpkit `{mode}`")
         lines.append(
@@ -71,11 +70,14 @@ def readers_beside(data: dict) -> str:
         "holding": "a reader holding the newest step, one after another",
         "evaluating": "the evaluation job: verify, `to-hf`, `from_pretrained`, 100 batches",
     }
-    lines = [
-        f"| beside the run ({data['steps']} steps, {data['mode']}) | stall per save | vs alone "
-        "| reads | of them, read after retention's turn | losses as alone |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines = head(
+        f"beside the run ({data['steps']} steps, {data['mode']})",
+        "stall per save",
+        "vs alone",
+        "reads",
+        "of them, read after retention's turn",
+        "losses as alone",
+    )
     for way, r in data["results"].items():
         reads, late = "-", "-"
         if way == "holding":
@@ -99,11 +101,16 @@ def readers_beside(data: dict) -> str:
 
 def s3_transfer(data: dict) -> str:
     rows = data["rows"]
-    lines = [
-        "| ranks | GiB | op | dcpkit | raw (boto3) | s3torchconnector | dcpkit / raw "
-        "| dcpkit / s3torchconnector |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = head(
+        "ranks",
+        "GiB",
+        "op",
+        "dcpkit",
+        "raw (boto3)",
+        "s3torchconnector",
+        "dcpkit / raw",
+        "dcpkit / s3torchconnector",
+    )
     for r in rows:
         for op in ("save", "load"):
             cells = " | ".join(f"{r[f'{who}_{op}_s']:.2f} s" for who in ("dcpkit", "raw", "s3tc"))
@@ -130,8 +137,7 @@ def s3_transfer_summary(data: dict) -> str:
         "server, loopback) in\none run of `benchmarks/s3_transfer.py` (median of "
         f"{data['repeats']}, slowest rank; a load verifies checksums):",
         "",
-        "| ranks | op | dcpkit | raw boto3 transfer | s3torchconnector |",
-        "|---|---|---|---|---|",
+        *head("ranks", "op", "dcpkit", "raw boto3 transfer", "s3torchconnector"),
     ]
     for r in rows:
         for op in ("save", "load"):
@@ -171,9 +177,14 @@ def async_stall(data: dict) -> str:
         f"One run on {data['cpus']} CPUs, {gib:.2f} GiB of model + AdamW state, medians of saves "
         f"3-{data['saves']}:",
         "",
-        f"| mode | blocked per save | x copy floor ({floor:.3f} s) | x sync save | durable after "
-        f"| RSS growth, save 2 -> {data['saves']} |",
-        "|---|---|---|---|---|---|",
+        *head(
+            "mode",
+            "blocked per save",
+            f"x copy floor ({floor:.3f} s)",
+            "x sync save",
+            "durable after",
+            f"RSS growth, save 2 -> {data['saves']}",
+        ),
     ]
     for mode, r in results.items():
         lines.append(
@@ -195,11 +206,13 @@ def async_stall(data: dict) -> str:
 def async_pressure(data: dict) -> str:
     pressure = data["pressure"]
     alone = sorted(r["compute_alone_s"] for r in pressure.values())[len(pressure) // 2]
-    lines = [
-        f"| mode | compute between saves (alone: {alone:.2f} s) | blocked per save "
-        "| forced by the disk | x PyTorch |",
-        "|---|---|---|---|---|",
-    ]
+    lines = head(
+        "mode",
+        f"compute between saves (alone: {alone:.2f} s)",
+        "blocked per save",
+        "forced by the disk",
+        "x PyTorch",
+    )
     for mode, r in pressure.items():
         name = ASYNC_NAMES[mode].split(",")[0]
         lines.append(
@@ -227,11 +240,13 @@ def async_stall_summary(data: dict) -> str:
 
 def train_cost(data: dict) -> str:
     step, floor = data["baseline_step_s"], data["copy_floor_s"]
-    lines = [
-        f"| mode | true cost per save (step-time delta) | x a step ({step:.3f} s) "
-        f"| blocked per save (`checkpoint_stall_s`) | x copy floor ({floor:.4f} s) |",
-        "|---|---|---|---|---|",
-    ]
+    lines = head(
+        "mode",
+        "true cost per save (step-time delta)",
+        f"x a step ({step:.3f} s)",
+        "blocked per save (`checkpoint_stall_s`)",
+        f"x copy floor ({floor:.4f} s)",
+    )
     for mode, r in data["results"].items():
         lines.append(
             f"| {ASYNC_NAMES[mode]} | {r['true_cost_per_save_s']:.3f} s "
@@ -264,8 +279,9 @@ CONVERT_NAMES = {
 
 def convert(data: dict) -> str:
     sizes = data["sizes"]
-    head = " | ".join(f"{d['checkpoint_bytes'] / GIB:.2f} GiB: s (x raw), peak RSS" for d in sizes)
-    lines = [f"| operation | {head} |", "|---|" + "---|" * len(sizes)]
+    lines = head(
+        "operation", *(f"{d['checkpoint_bytes'] / GIB:.2f} GiB: s (x raw), peak RSS" for d in sizes)
+    )
     for op, name in CONVERT_NAMES.items():
         cells = []
         for d in sizes:
@@ -282,11 +298,12 @@ def convert(data: dict) -> str:
 
 def convert_model(data: dict) -> str:
     (d,) = data["sizes"]
-    lines = [
-        f"| Llama 3 {data['flavor']}, {d['dtype']}, {d['checkpoint_bytes'] / GIB:.2f} GiB "
-        "| wall s | x raw read+write | peak RSS above baseline |",
-        "|---|---|---|---|",
-    ]
+    lines = head(
+        f"Llama 3 {data['flavor']}, {d['dtype']}, {d['checkpoint_bytes'] / GIB:.2f} GiB",
+        "wall s",
+        "x raw read+write",
+        "peak RSS above baseline",
+    )
     for op, name in CONVERT_NAMES.items():
         r = d["results"].get(op)
         if r is not None:
@@ -312,9 +329,13 @@ def moe_convert(data: dict) -> str:
         f"the FP8 folder {data['fp8_folder_bytes'] / GIB:.2f} GiB; the largest\nstacked expert "
         f"tensor {data['largest_stacked_expert_bytes'] / MIB:.0f} MiB:",
         "",
-        "| operation | wall s | x raw read+write | peak RSS above baseline "
-        "| bound: largest stacked expert + 256 MiB |",
-        "|---|---|---|---|---|",
+        *head(
+            "operation",
+            "wall s",
+            "x raw read+write",
+            "peak RSS above baseline",
+            "bound: largest stacked expert + 256 MiB",
+        ),
     ]
     for op, name in names.items():
         r = data["results"][op]
@@ -326,14 +347,16 @@ def moe_convert(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+CELLS = ("s", "GiB/s", "x raw")
+
+
 def model_io(data: dict) -> str:
     gib = data["checkpoint_bytes"] / GIB
     runs = data["runs"]
-    head = " | ".join(f"{n} rank(s): s | GiB/s | x raw" for n in runs)
-    lines = [
-        f"| Llama 3 {data['flavor']}, {data['dtype']}, {gib:.2f} GiB | {head} |",
-        "|---|" + "---|---|---|" * len(runs),
-    ]
+    lines = head(
+        f"Llama 3 {data['flavor']}, {data['dtype']}, {gib:.2f} GiB",
+        *(f"{n} rank(s): {cell}" if cell == "s" else cell for n in runs for cell in CELLS),
+    )
     rows = [
         ("load, page cache dropped", "load_s", "raw_read_s"),
         ("raw parallel read of the same files", "raw_read_s", None),
