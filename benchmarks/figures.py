@@ -347,15 +347,12 @@ def moe_convert(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-CELLS = ("s", "GiB/s", "x raw")
-
-
 def model_io(data: dict) -> str:
     gib = data["checkpoint_bytes"] / GIB
     runs = data["runs"]
     lines = head(
         f"Llama 3 {data['flavor']}, {data['dtype']}, {gib:.2f} GiB",
-        *(f"{n} rank(s): {cell}" if cell == "s" else cell for n in runs for cell in CELLS),
+        *(cell for n in runs for cell in (f"{n} rank(s): s", "GiB/s", "x raw")),
     )
     rows = [
         ("load, page cache dropped", "load_s", "raw_read_s"),

@@ -182,13 +182,15 @@ class LocalStore(CheckpointStore):
         # A marker's folder (.dcpkit-holds) is removed by whoever empties it: it may vanish
         # between the mkdir that finds it there and the write, or inside the mkdir (which then
         # raises FileExistsError for a folder that is no longer there): make it and try again.
-        for attempt in range(10):
+        path = self._p(name)
+        attempts = 10
+        for attempt in range(attempts):
             try:
-                self._p(name).parent.mkdir(parents=True, exist_ok=True)
-                write_durably(self._p(name), data, sync=durable)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_durably(path, data, sync=durable)
                 return
             except (FileNotFoundError, FileExistsError):
-                if attempt == 9 or self._p(name).parent.is_file():
+                if attempt == attempts - 1 or path.parent.is_file():
                     raise
 
     def remove_empty_folder(self, name: str) -> None:
