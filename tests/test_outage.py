@@ -5,6 +5,7 @@ store that comes back within the retry time lets the save complete."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import subprocess
 import threading
@@ -267,3 +268,107 @@ def test_a_load_that_loses_its_store_fails_on_every_rank_together(weed_proxy, tm
         weed_proxy.up()
     back = _load_run(folder, endpoint, 60, tmp_path, cut=_Cut(weed_proxy, 0.2), back=3.0)
     assert [x.split()[:4] for x in back] == [x.split()[:4] for x in states], (back, states)
+
+
+# --- every read a load makes, failing in turn ---------------------------------------------------
+
+
+def _from_holds() -> bool:
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "dcpkit.storage.holds":
+            return True
+        frame = frame.f_back
+    return False
+
+
+_LOADS = {
+    "load": lambda mgr, folder: mgr.load(),
+    "load without verify_on_load": lambda mgr, folder: mgr.load(),
+    "load falling back": lambda mgr, folder: mgr.load(),
+    "load_from": lambda mgr, folder: mgr.load_from(folder, step="latest"),
+    "verify": lambda mgr, folder: mgr.verify(folder, step=1),
+}
+
+
+@pytest.mark.parametrize("case", list(_LOADS))
+def test_a_load_whose_store_fails_at_any_read_raises_store_unavailable(tmp_path, monkeypatch, case):
+    """The store's Nth read during a load raises ConnectionError (as an object store that stops
+    answering does), for every N until the load makes fewer reads: the load raises
+    StoreUnavailable each time (the error every rank raises together), never the store's own
+    error from a read made outside the ranks' agreement; then it loads, bit for bit. Each way
+    in: ``load()`` with and without ``verify_on_load``, one that falls back past a corrupt
+    step, ``load_from`` a run's latest step, ``verify``. (The reads of the hold against
+    retention are left alone: a load that cannot hold its step reads it without one, see
+    test_readers.)"""
+    from dcpkit.engine.together import StoreUnavailable
+    from dcpkit.storage.local import LocalStore
+
+    folder = tmp_path / "ckpt"
+    torch.manual_seed(0)
+    cfg = CheckpointConfig(
+        enable=True, folder=str(folder), interval=1, storage_retry_s=0, keep_latest_k=0,
+        verify_on_load=case != "load without verify_on_load",
+        fallback_on_corruption=case == "load falling back",
+    )  # fmt: skip
+    model = torch.nn.Linear(16, 16)
+    saver = CheckpointManager(cfg, ".", model)
+    saver.save(1)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    if case == "load falling back":
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        saver.save(2)
+        data = folder / "step-2" / "__0_0.distcp"
+        data.write_bytes(data.read_bytes()[:-8] + bytes(8))
+    saver.close()
+    calls = {"n": 0, "fail_at": 0}
+    for method in ("list_names", "stat", "open_read", "checksum"):
+        original = getattr(LocalStore, method)
+
+        def failing(self, *args, _original=original, _method=method, **kwargs):  # type: ignore[no-untyped-def]
+            if _from_holds():  # best effort by design: a load goes on without its hold
+                return _original(self, *args, **kwargs)
+            calls["n"] += 1
+            if calls["n"] == calls["fail_at"]:
+                raise ConnectionError(f"the store stopped answering ({_method})")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(LocalStore, method, failing)
+    failed_at = []
+    for fail_at in range(1, 300):
+        torch.manual_seed(1)
+        loader = CheckpointManager(cfg, ".", torch.nn.Linear(16, 16))
+        calls["n"], calls["fail_at"] = 0, fail_at
+        try:
+            result = _LOADS[case](loader, str(folder))
+        except StoreUnavailable as e:
+            assert "retried for 0s" in str(e) and "stopped answering" in str(e), e
+            failed_at.append(fail_at)
+            continue
+        finally:
+            made, calls["fail_at"] = calls["n"], 0
+            loader.close()
+        assert made < fail_at, (case, fail_at, made, result)
+        if case == "verify":
+            assert result == [], result
+        else:
+            assert all(torch.equal(saved[k], v) for k, v in loader.model.state_dict().items())
+        break
+    else:
+        pytest.fail("the load never completed")
+    assert failed_at == list(range(1, len(failed_at) + 1)) and len(failed_at) >= 5, failed_at
+    # Within storage_retry_s, a read that fails once is tried again, and the load completes.
+    torch.manual_seed(1)
+    loader = CheckpointManager(
+        dataclasses.replace(cfg, storage_retry_s=5), ".", torch.nn.Linear(16, 16)
+    )
+    calls["n"], calls["fail_at"] = 0, failed_at[-1]
+    result = _LOADS[case](loader, str(folder))
+    loader.close()
+    assert calls["n"] > failed_at[-1], calls  # it failed, then read again
+    assert result == [] if case == "verify" else result
+    if case != "verify":
+        assert all(torch.equal(saved[k], v) for k, v in loader.model.state_dict().items())

@@ -226,10 +226,12 @@ def verify_everywhere(
     """Problems with checkpoint ``name``; every rank checksums its share of the files (of
     ``only`` these, when given; sizes and structure are checked for all). Empty when it is
     intact. ``kept``: gets the ``Metadata`` the checks parsed, or the index of ``.metadata``
-    they read, for the load to read by."""
+    they read, for the load to read by, and this rank's checksum share (``checksum_share``)."""
 
     def check() -> Any:
         share = checksum_share(store, name)
+        if kept is not None:
+            kept["share"] = share
         mine = None if share is None else sorted(n for n in share if only is None or n in only)
         return verify_checkpoint(
             store,
@@ -275,7 +277,8 @@ def fallback(plan: LoadPlan, problems: list[str], config: Any, store: Any) -> Lo
             "to load the newest intact checkpoint instead, or load_step to choose one"
         )
     failed = plan
-    for step in fallback_steps(store.published_steps(), plan.step or 0):
+    steps = together(store.published_steps, store.root)  # a store that fails one rank fails all
+    for step in fallback_steps(steps, plan.step or 0):
         name = step_name(step)
         if dist.rank() == 0:
             logger.warning(
@@ -344,7 +347,7 @@ def _restore_verified(
     first = {METADATA, METADATA_INDEX}
     checked = verified(plan, config, store, only=first if fused else None, kept=kept)
     if checked is plan and fused:
-        share = checksum_share(plan.store, plan.name) or {}
+        share = dict(kept.get("share") or {})  # read in the checks, by every rank together
         for name in first:
             share.pop(name, None)
         md, index = kept.get("metadata"), kept.get("index")

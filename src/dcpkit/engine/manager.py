@@ -30,7 +30,7 @@ from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.restore import HFCodec, restore
 from dcpkit.engine.save import Saver, check_config, check_replacement, collect, mesh_info
 from dcpkit.engine.states import ModelState, Stateful, check_same_on_every_rank, collect_states
-from dcpkit.engine.together import held_everywhere
+from dcpkit.engine.together import read_held
 from dcpkit.layout import MODEL, RNG, step_name
 from dcpkit.storage import open_store
 
@@ -137,8 +137,8 @@ class CheckpointManager:
         """Load the checkpoint at ``path`` (a folder or a URL; with ``step``, a number or
         ``latest``, a checkpoint folder) into the current state, at any world size, held against
         that run's retention meanwhile. Returns the names of the state pieces restored."""
-        with held_everywhere(path, step, self.config.storage_options, "load") as (store, name):
-            return self._restore(store, name, model_only)
+        restore_it = functools.partial(self._restore, model_only=model_only)
+        return read_held(path, step, self.config, "load", restore_it)
 
     @dist.paused_gc()
     def _restore(
@@ -164,8 +164,8 @@ class CheckpointManager:
 
     def verify(self, path: str | Path, step: int | str | None = None) -> list[str]:
         """Problems with the checkpoint at ``path`` (ranks split the checksums); empty if intact."""
-        with held_everywhere(path, step, self.config.storage_options, "verify") as (store, name):
-            return load_plan.verify_everywhere(store, name, require_commit=False)
+        check = functools.partial(load_plan.verify_everywhere, require_commit=False)
+        return read_held(path, step, self.config, "verify", check)
 
     def should_save(self, step: int, last_step: bool = False, force: bool = False) -> bool:
         cfg = self.config

@@ -110,3 +110,16 @@ def held_everywhere(
         raise_failure(*failure)
     with letting_go(held, before=dist.barrier):  # every rank has read it: the hold may go
         yield open_location(location, storage_options)
+
+
+def read_held(
+    path: Any, step: int | str | None, config: Any, purpose: str, read: Callable[[Any, str], T]
+) -> T:
+    """Every rank: ``read(store, name)`` of what ``path`` names, held as ``held_everywhere``
+    holds it, tried again while the store does not answer, within ``config.storage_retry_s``."""
+
+    def once() -> T:
+        with held_everywhere(path, step, config.storage_options, purpose) as (store, name):
+            return read(store, name)
+
+    return retrying(once, config.storage_retry_s, f"the {purpose} of {path}")
