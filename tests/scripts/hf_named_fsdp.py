@@ -83,7 +83,7 @@ def main() -> None:
             try:
                 CheckpointManager(cfg, out, build(kind), states={"data": Data()}, hf_model=hf_model)
             except CheckpointError as e:
-                print(f"SECOND REFUSED: {e}", flush=True)
+                sys.stdout.write(f"SECOND REFUSED: {e}\n")  # one write: lines never mix
     mgr.close()
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)

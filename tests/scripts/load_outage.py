@@ -38,6 +38,11 @@ def state_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def say(line: str) -> None:
+    """One write per line (stdout is unbuffered): two ranks' lines never mix."""
+    sys.stdout.write(line + "\n")
+
+
 def main() -> None:
     folder, endpoint, phase = sys.argv[1:4]
     torch_dist.init_process_group("gloo")
@@ -56,7 +61,7 @@ def main() -> None:
     if phase == "save":
         mgr.save(1)
         mgr.wait()
-        print(f"STATE rank {rank} {state_hash(model)}", flush=True)
+        say(f"STATE rank {rank} {state_hash(model)}")
     else:
         torch_dist.barrier()
         if rank == 0:
@@ -65,10 +70,10 @@ def main() -> None:
         try:
             mgr.load()
             took = time.monotonic() - start
-            print(f"STATE rank {rank} {state_hash(model)} {took:.2f}", flush=True)
+            say(f"STATE rank {rank} {state_hash(model)} {took:.2f}")
         except Exception as e:  # a caller that catches it and goes on
             took = time.monotonic() - start
-            print(f"FAILED rank {rank} {took:.1f} {type(e).__name__}: {e}", flush=True)
+            say(f"FAILED rank {rank} {took:.1f} {type(e).__name__}: {e}")
     torch_dist.barrier()
     mgr.close()
     torch_dist.barrier()

@@ -19,5 +19,5 @@ config = CheckpointConfig(
 with CheckpointManager(config, ".", model) as mgr:
     mgr.save(1)  # staged, written by the writer process in the background
     mgr.save(2)
-print("SAVED", mgr.published_steps(), flush=True)
+sys.stdout.write(f"SAVED {mgr.published_steps()}\n")  # one write: ranks' lines never mix
 td.destroy_process_group()

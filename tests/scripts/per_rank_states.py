@@ -53,7 +53,7 @@ def main() -> None:
         try:
             mgr.save(1)
         except CheckpointError as e:
-            print(f"REFUSED rank {rank}: {e}", flush=True)
+            sys.stdout.write(f"REFUSED rank {rank}: {e}\n")  # one write: lines never mix
     else:
         assert mgr.load() == 1
         positions = dist.all_gather_object(sampler.position)
