@@ -372,3 +372,36 @@ def test_a_load_whose_store_fails_at_any_read_raises_store_unavailable(tmp_path,
     assert result == [] if case == "verify" else result
     if case != "verify":
         assert all(torch.equal(saved[k], v) for k, v in loader.model.state_dict().items())
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", ["save", "load"])
+def test_a_store_failing_on_one_rank_fails_every_rank_together(tmp_path, mode):
+    """2 ranks; one rank's Nth storage operation fails (each rank in turn, every N until the
+    save or load completes), the other rank's never: both raise the same error, of the kind
+    promised (a save's CheckpointError, a load's StoreUnavailable), with the same message; no
+    rank raises the store's own error or waits for the other (collectives time out at 60 s).
+    The save that completes has published its step (a failure left in its retention only
+    defers the deletion to the next save, which makes it); the load restores every shard."""
+    import json
+
+    from conftest import run_script
+
+    proc = run_script(2, "store_faults.py", str(tmp_path), mode, "0,1", timeout=240)
+    results = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert sorted((r["fail_rank"], r["rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    expected = "CheckpointError" if mode == "save" else "StoreUnavailable"
+    for result in results:
+        *failed, last = result["outcomes"]
+        for fail_at, outcomes, operation in failed:
+            assert [kind for kind, _ in outcomes] == [expected, expected], (fail_at, outcomes)
+            assert outcomes[0][1] == outcomes[1][1], (fail_at, outcomes)
+            assert operation, (fail_at, outcomes)  # the injected failure is what it reports
+        assert last[1] == [["ok", ""], ["ok", ""]], last
+        assert len(failed) >= 3, result["outcomes"]
+        if mode == "save":
+            assert last[2] == "" or " < _retention < " in last[2], last  # never lost silently
+            assert result["published"] == [result["last"] - 1, result["last"]], result
+        else:
+            assert last[2] == "", last
+            assert result["loaded"] == result["saved"], result  # this rank's shards

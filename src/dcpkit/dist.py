@@ -118,14 +118,23 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
 
 def first_rank_error(fn: Any, errors: tuple[type[BaseException], ...]) -> str | None:
     """Run ``fn`` on rank 0 only; every rank returns the message of the ``errors`` it raised
-    (None when it succeeded), so that all ranks can fail together."""
-    error = None
+    (None when it succeeded), so that all ranks can fail together. Any other exception is
+    raised on every rank (rank 0's own; a ``RuntimeError`` naming it on the others): never
+    rank 0 alone while the others wait for it."""
+    error, other, raised = None, None, None
     if rank() == 0:
         try:
             fn()
         except errors as e:
             error = str(e)
-    return broadcast_object(error)
+        except Exception as e:
+            raised, other = e, f"{type(e).__name__}: {e}"
+    error, other = broadcast_object((error, other))
+    if raised is not None:
+        raise raised
+    if other is not None:
+        raise RuntimeError(f"rank 0 failed: {other}")
+    return error
 
 
 @contextlib.contextmanager

@@ -31,8 +31,9 @@ from dcpkit.engine.restore import HFCodec, restore
 from dcpkit.engine.save import Saver, check_config, check_replacement, collect, mesh_info
 from dcpkit.engine.states import ModelState, Stateful, check_same_on_every_rank, collect_states
 from dcpkit.engine.together import read_held
+from dcpkit.errors import CheckpointError
 from dcpkit.layout import MODEL, RNG, step_name
-from dcpkit.storage import open_store
+from dcpkit.storage import StoreError, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +80,12 @@ class CheckpointManager:
             check_free(self.store, config.lease_timeout_s, owner=self)
         self._lease: Any = None
         self._leased = False  # taken at the first save
-        if writes and self.rank == 0:
-            self.store.remove_incomplete()  # the lease is ours: leftovers are dead runs'
-        dist.barrier()
+        # The lease is ours: leftovers are dead runs'. Rank 0 removes them; all fail with it.
+        failed = dist.first_rank_error(
+            self.store.remove_incomplete if writes else list, (OSError, StoreError)
+        )
+        if failed:
+            raise CheckpointError(f"{self.folder}: removing what interrupted saves left: {failed}")
         self._saver = Saver(config.async_mode) if writes else None
         self._async = self._saver.async_ckpt if self._saver is not None else None
         self._preempt = (
@@ -205,12 +209,12 @@ class CheckpointManager:
             self._lease = take_lease(self.store, self.config.lease_timeout_s, owner=self)
             self._leased = True
         check_lease(self._lease)
-        check_replacement(self.store, step, self._resumed_from)
         model_only = last_step and self.config.last_save_model_only
+        info = self._step_info(step, model_only)
+        check_replacement(info, self._resumed_from)
         state = self.collect(model_only=model_only)
         if not model_only:  # every value loadable, and the same on every rank unless per-rank
             check_same_on_every_rank(self.states, state)
-        info = self._step_info(step, model_only)
         start = time.perf_counter()
         if self._saver.async_ckpt is not None and not (last_step or force):
             self._saver.save_async(state, info)

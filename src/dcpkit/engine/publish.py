@@ -14,8 +14,9 @@ import contextlib
 import errno
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -27,10 +28,12 @@ from dcpkit.errors import CheckpointError, disk_full, first_failure
 from dcpkit.formats.dcp_index_write import encode_index
 from dcpkit.layout import METADATA, METADATA_INDEX, step_name
 from dcpkit.manifest import CHECKSUM_ALGORITHM, build_manifest
+from dcpkit.storage import StoreError
 from dcpkit.storage.holds import delete_unless_held, describe
 from dcpkit.units import human_bytes
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -139,14 +142,19 @@ def _write_once(
         raise _Failure(save_failure(cause, info, sized), transient(cause)) from None
     failpoints.hit("after_write", info.step, rank, kill_pid)
     start = time.perf_counter()
-    files = pending.describe(pending.own_files(rank))
+    files: dict[str, Any] = {}
+    failure = _attempt(lambda: files.update(pending.describe(pending.own_files(rank))), info, sized)
     checksum_s = time.perf_counter() - start
-    gathered = dist.all_gather_object(files, group)
+    gathered = dist.all_gather_object((files, failure), group)
+    failure = next((f for _, f in gathered if f is not None), None)  # one rank's, for all
+    if failure is not None and rank == 0:
+        with contextlib.suppress(Exception):
+            pending.abort()
+    _raise_if(failure)
     doomed: list[int] = []
-    failure = None
     if rank == 0:
         all_files: dict[str, Any] = {}
-        for part in gathered:
+        for part, _ in gathered:
             all_files.update(part)
 
         def publish() -> None:
@@ -173,11 +181,27 @@ def _write_once(
             with contextlib.suppress(Exception):
                 pending.abort()
         else:
-            doomed = steps_to_delete(store.published_steps(), info.keep_latest_k)
-            if delete_now:
-                delete_steps(store, doomed)
+            doomed = _retention(store, info, delete_now)
     _raise_if(dist.broadcast_object(failure, group=group))
     return Published(checksum_s, doomed)
+
+
+def _retention(store: Any, info: StepInfo, delete_now: bool) -> list[int]:
+    """Rank 0, once step ``info.step`` is published: the steps retention deletes (deleted now
+    with ``delete_now``). A store that fails here fails no save: the step is published, and the
+    next save's retention deletes them."""
+    try:
+        doomed = steps_to_delete(store.published_steps(), info.keep_latest_k)
+        if delete_now:
+            delete_steps(store, doomed)
+    except Exception as e:
+        logger.warning(
+            "checkpoint: step %d is published, but retention could not %s %s: %s; the next "
+            "save's retention tries again", info.step, "delete steps in" if delete_now else
+            "list", store.root, e,
+        )  # fmt: skip
+        return []
+    return doomed
 
 
 def _index_of(planner: Any, written: dict[str, Any]) -> bytes | None:
@@ -203,7 +227,7 @@ def _attempt(step: Any, info: StepInfo, state: dict[str, Any]) -> tuple[str, boo
     try:
         step()
     except Exception as e:
-        if not (isinstance(e, OSError) or transient(e)):
+        if not (isinstance(e, OSError | StoreError) or transient(e)):
             raise
         return save_failure(e, info, state), transient(e)
     return None
@@ -225,6 +249,21 @@ _TRANSIENT_NAMES = {
     "ServerTimeoutError",
 }
 _TRANSIENT_WORDS = ("slowdown", "throttl", "requesttimeout", "service unavailable", "503")
+
+
+def retrying_alone(fn: Callable[[], T], retry_s: float) -> T:
+    """``fn()`` in this process alone (no other rank waits on each try), tried again with
+    backoff while it fails with a ``transient`` error and ``retry_s`` seconds have not passed."""
+    deadline, delay = time.monotonic() + retry_s, 1.0
+    while True:
+        try:
+            return fn()
+        except Exception as e:
+            if not transient(e) or time.monotonic() + delay > deadline:
+                raise
+            logger.warning("checkpoint: %s; retrying in %.0fs", e, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, 30.0)
 
 
 def transient(e: BaseException) -> bool:

@@ -19,13 +19,20 @@ from dcpkit.engine import planning
 from dcpkit.engine.async_save import AsyncCheckpointer
 from dcpkit.engine.plan_seed import Seed
 from dcpkit.engine.policy import config_problem, replacing_problem, steps_to_delete
-from dcpkit.engine.publish import Published, StepInfo, delete_steps, write_and_publish
+from dcpkit.engine.publish import (
+    Published,
+    StepInfo,
+    delete_steps,
+    retrying_alone,
+    save_failure,
+    transient,
+    write_and_publish,
+)
 from dcpkit.engine.restore import HFCodec
 from dcpkit.engine.states import ModelState, Stateful, capture_rng, rank_key
 from dcpkit.errors import CheckpointError
 from dcpkit.layout import DTYPES, MODEL, RNG, staging_name, step_name
 from dcpkit.manifest import build_manifest
-from dcpkit.storage import StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -120,18 +127,24 @@ def check_config(config: Any, state_names: list[str], hf: Any, model: ModelState
         raise ConfigError(error)
 
 
-def check_replacement(store: Any, step: int, resumed_from: int | None) -> None:
+def check_replacement(info: StepInfo, resumed_from: int | None) -> None:
     """Every rank: refuse to replace a published step that is not this run's to replace, and
-    log each replacement that is (rank 0 lists the folder and decides)."""
+    log each replacement that is (rank 0 lists the folder and decides). A folder that cannot be
+    listed within ``info.retry_s`` (``[checkpoint] storage_retry_s``) fails the save on every
+    rank, as a write that fails does: it could hold a step that is not this run's to replace."""
+    store, step = info.store, info.step
     decision, published = None, []
     if dist.rank() == 0:
         try:
-            published = store.published_steps()
-        except StoreError:  # the store does not answer: the save's own retries deal with it
-            published = []
+            published = retrying_alone(store.published_steps, info.retry_s)
+        except Exception as e:
+            tried = f"; retried for {info.retry_s:.0f}s ([checkpoint] storage_retry_s): giving up"
+            decision = save_failure(e, info, {}) + (tried if transient(e) else "")
     if step in published:
         decision = replacing_problem(step, published, resumed_from) or ""
-        if not decision:
+        if decision:
+            decision = f"{store.location(step_name(step))}: {decision}"
+        else:
             logger.warning(
                 "checkpoint: replacing the published %s in %s (this run resumed from step %s; "
                 "the steps after it are replaced as it reaches them)",
@@ -141,7 +154,7 @@ def check_replacement(store: Any, step: int, resumed_from: int | None) -> None:
             )
     decision = dist.broadcast_object(decision)
     if decision:
-        raise CheckpointError(f"{store.location(step_name(step))}: {decision}")
+        raise CheckpointError(decision)
 
 
 class Saver:
