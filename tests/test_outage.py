@@ -5,7 +5,6 @@ store that comes back within the retry time lets the save complete."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import socket
 import subprocess
 import threading
@@ -270,138 +269,50 @@ def test_a_load_that_loses_its_store_fails_on_every_rank_together(weed_proxy, tm
     assert [x.split()[:4] for x in back] == [x.split()[:4] for x in states], (back, states)
 
 
-# --- every read a load makes, failing in turn ---------------------------------------------------
+# --- each storage operation of a save or a load, failing on one rank in turn ---------------------
 
-
-def _from_holds() -> bool:
-    import sys
-
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_globals.get("__name__") == "dcpkit.storage.holds":
-            return True
-        frame = frame.f_back
-    return False
-
-
-_LOADS = {
-    "load": lambda mgr, folder: mgr.load(),
-    "load without verify_on_load": lambda mgr, folder: mgr.load(),
-    "load falling back": lambda mgr, folder: mgr.load(),
-    "load_from": lambda mgr, folder: mgr.load_from(folder, step="latest"),
-    "verify": lambda mgr, folder: mgr.verify(folder, step=1),
-}
-
-
-@pytest.mark.parametrize("case", list(_LOADS))
-def test_a_load_whose_store_fails_at_any_read_raises_store_unavailable(tmp_path, monkeypatch, case):
-    """The store's Nth read during a load raises ConnectionError (as an object store that stops
-    answering does), for every N until the load makes fewer reads: the load raises
-    StoreUnavailable each time (the error every rank raises together), never the store's own
-    error from a read made outside the ranks' agreement; then it loads, bit for bit. Each way
-    in: ``load()`` with and without ``verify_on_load``, one that falls back past a corrupt
-    step, ``load_from`` a run's latest step, ``verify``. (The reads of the hold against
-    retention are left alone: a load that cannot hold its step reads it without one, see
-    test_readers.)"""
-    from dcpkit.engine.together import StoreUnavailable
-    from dcpkit.storage.local import LocalStore
-
-    folder = tmp_path / "ckpt"
-    torch.manual_seed(0)
-    cfg = CheckpointConfig(
-        enable=True, folder=str(folder), interval=1, storage_retry_s=0, keep_latest_k=0,
-        verify_on_load=case != "load without verify_on_load",
-        fallback_on_corruption=case == "load falling back",
-    )  # fmt: skip
-    model = torch.nn.Linear(16, 16)
-    saver = CheckpointManager(cfg, ".", model)
-    saver.save(1)
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
-    if case == "load falling back":
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        saver.save(2)
-        data = folder / "step-2" / "__0_0.distcp"
-        data.write_bytes(data.read_bytes()[:-8] + bytes(8))
-    saver.close()
-    calls = {"n": 0, "fail_at": 0}
-    for method in ("list_names", "stat", "open_read", "checksum"):
-        original = getattr(LocalStore, method)
-
-        def failing(self, *args, _original=original, _method=method, **kwargs):  # type: ignore[no-untyped-def]
-            if _from_holds():  # best effort by design: a load goes on without its hold
-                return _original(self, *args, **kwargs)
-            calls["n"] += 1
-            if calls["n"] == calls["fail_at"]:
-                raise ConnectionError(f"the store stopped answering ({_method})")
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(LocalStore, method, failing)
-    failed_at = []
-    for fail_at in range(1, 300):
-        torch.manual_seed(1)
-        loader = CheckpointManager(cfg, ".", torch.nn.Linear(16, 16))
-        calls["n"], calls["fail_at"] = 0, fail_at
-        try:
-            result = _LOADS[case](loader, str(folder))
-        except StoreUnavailable as e:
-            assert "retried for 0s" in str(e) and "stopped answering" in str(e), e
-            failed_at.append(fail_at)
-            continue
-        finally:
-            made, calls["fail_at"] = calls["n"], 0
-            loader.close()
-        assert made < fail_at, (case, fail_at, made, result)
-        if case == "verify":
-            assert result == [], result
-        else:
-            assert all(torch.equal(saved[k], v) for k, v in loader.model.state_dict().items())
-        break
-    else:
-        pytest.fail("the load never completed")
-    assert failed_at == list(range(1, len(failed_at) + 1)) and len(failed_at) >= 5, failed_at
-    # Within storage_retry_s, a read that fails once is tried again, and the load completes.
-    torch.manual_seed(1)
-    loader = CheckpointManager(
-        dataclasses.replace(cfg, storage_retry_s=5), ".", torch.nn.Linear(16, 16)
-    )
-    calls["n"], calls["fail_at"] = 0, failed_at[-1]
-    result = _LOADS[case](loader, str(folder))
-    loader.close()
-    assert calls["n"] > failed_at[-1], calls  # it failed, then read again
-    assert result == [] if case == "verify" else result
-    if case != "verify":
-        assert all(torch.equal(saved[k], v) for k, v in loader.model.state_dict().items())
+_WAYS = ("save", "load", "load-unverified", "load-fallback", "load_from", "verify")
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("mode", ["save", "load"])
-def test_a_store_failing_on_one_rank_fails_every_rank_together(tmp_path, mode):
-    """2 ranks; one rank's Nth storage operation fails (each rank in turn, every N until the
-    save or load completes), the other rank's never: both raise the same error, of the kind
-    promised (a save's CheckpointError, a load's StoreUnavailable), with the same message; no
-    rank raises the store's own error or waits for the other (collectives time out at 60 s).
-    The save that completes has published its step (a failure left in its retention only
-    defers the deletion to the next save, which makes it); the load restores every shard."""
+def test_a_store_failing_on_one_rank_fails_every_rank_together(tmp_path):
+    """2 ranks; one rank's Nth storage operation fails with ConnectionError (as an object store
+    that stops answering does: each rank in turn, every N until the operation completes), the
+    other rank's never. Each way in: a save (its retention included), ``load()`` with and
+    without ``verify_on_load``, one that falls back past a corrupt step, ``load_from`` a run's
+    ``latest``, ``verify``. Every failure is raised on both ranks with the same message, of the
+    kind promised (a save's CheckpointError, a load's StoreUnavailable): never the store's own
+    error from an operation made outside the ranks' agreement, never a rank left waiting for
+    the other (collectives time out at 60 s). The save that completes has published its step
+    (a failure left in its retention defers the deletion to the next save, which makes it);
+    the load restores every shard bit for bit; and with storage_retry_s the last failure is
+    tried again and the operation completes. (Reads of the hold against retention are left
+    alone: a load that cannot hold its step reads it without one, see test_readers.)"""
     import json
 
     from conftest import run_script
 
-    proc = run_script(2, "store_faults.py", str(tmp_path), mode, "0,1", timeout=240)
+    args = (str(tmp_path), ",".join(_WAYS), "0,1")
+    proc = run_script(2, "store_faults.py", *args, timeout=300)
     results = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert sorted((r["fail_rank"], r["rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    expected = "CheckpointError" if mode == "save" else "StoreUnavailable"
+    seen = sorted((r["mode"], r["fail_rank"], r["rank"]) for r in results)
+    assert seen == sorted((m, f, r) for m in _WAYS for f in (0, 1) for r in (0, 1)), seen
     for result in results:
+        where = (result["mode"], "failing on rank", result["fail_rank"])
+        expected = "CheckpointError" if result["mode"] == "save" else "StoreUnavailable"
         *failed, last = result["outcomes"]
         for fail_at, outcomes, operation in failed:
-            assert [kind for kind, _ in outcomes] == [expected, expected], (fail_at, outcomes)
-            assert outcomes[0][1] == outcomes[1][1], (fail_at, outcomes)
-            assert operation, (fail_at, outcomes)  # the injected failure is what it reports
-        assert last[1] == [["ok", ""], ["ok", ""]], last
-        assert len(failed) >= 3, result["outcomes"]
-        if mode == "save":
-            assert last[2] == "" or " < _retention < " in last[2], last  # never lost silently
-            assert result["published"] == [result["last"] - 1, result["last"]], result
+            seen = (where, fail_at, outcomes)
+            assert [kind for kind, _ in outcomes] == [expected, expected], seen
+            assert outcomes[0][1] == outcomes[1][1], seen
+            assert operation, seen  # the failure made is what it reports
+        assert last[1] == [["ok", ""], ["ok", ""]], (where, last)
+        assert len(failed) >= 3, (where, result["outcomes"])
+        assert result["retried"][0] == ["ok", ""] and result["retried"][1], (where, result)
+        if result["mode"] == "save":
+            assert not last[2] or " < dcpkit.engine.publish._retention < " in last[2], last
+            assert result["published"] == [result["last"] - 1, result["last"]], (where, result)
         else:
-            assert last[2] == "", last
-            assert result["loaded"] == result["saved"], result  # this rank's shards
+            assert last[2] == "", (where, last)
+        if result["mode"] not in ("save", "verify"):
+            assert result["loaded"] == result["saved"], (where, result)  # this rank's shards

@@ -1,23 +1,33 @@
 """Under torchrun: one rank's Nth storage operation fails with ConnectionError (as an object
 store that stops answering), for every N until the operation completes; the other ranks'
-operations never fail. Each rank prints, for each failing rank, one line ``RESULT {json}``: each
-attempt's outcome on every rank, and the operation that failed.
+operations never fail. Each rank prints, for each way in and each failing rank, one line
+``RESULT {json}``: each attempt's outcome on every rank, and the operation that failed.
 
-    store_faults.py FOLDER save|load FAIL_RANKS     # FAIL_RANKS: "0,1", each in turn
+    store_faults.py FOLDER MODES FAIL_RANKS     # MODES: "save,load,...", FAIL_RANKS: "0,1"
 
-``save``: step 1 is saved, then each attempt saves the next step (``keep_latest_k`` 2: its
-retention runs too); ``load``: each attempt loads the latest step into a new manager. The
-operations counted are the store's (list, stat, read, checksum, write, remove, publish) and
-DCP's writes, made by the training thread; the hold against retention (best effort by
-design) is left alone. Every collective has a deadline: a rank left waiting for another
+The ways in (MODES):
+- ``save``: step 1 is saved, then each attempt saves the next step (``keep_latest_k`` 2: its
+  retention runs too);
+- ``load``, ``load-unverified`` (``verify_on_load`` off), ``load-fallback`` (the latest step
+  corrupt, ``fallback_on_corruption`` on: the load falls back to step 1): each attempt loads
+  into a new manager;
+- ``load_from`` (a run's ``latest``), ``verify`` (step 1): the same, through those calls.
+
+Once an attempt completes, the last failure is made again with ``storage_retry_s`` 5: the
+operation must try again and complete. The operations counted are the store's (list, stat,
+read, checksum, write, remove, publish) and DCP's writes, made by the training thread; the
+hold against retention (best effort by design: a reader that cannot hold its step reads it
+without one) is left alone. Every collective has a deadline: a rank left waiting for another
 fails the run instead of hanging it.
 """
 
+import dataclasses
 import datetime
 import hashlib
 import json
 import sys
 import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
@@ -34,30 +44,14 @@ OPERATIONS = {
 calls = {"n": 0, "fail_at": 0, "failed": "", "rank": -1}
 
 
-def from_holds() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_globals.get("__name__") == "dcpkit.storage.holds":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def callers() -> str:
-    """The functions of dcpkit that led to the failing operation, innermost first."""
+def callers() -> list[str]:
+    """The functions of dcpkit that led to the operation, innermost first."""
     names, frame = [], sys._getframe(2)
     while frame is not None:
         if frame.f_globals.get("__name__", "").startswith("dcpkit."):
-            names.append(frame.f_code.co_name)
+            names.append(f"{frame.f_globals['__name__']}.{frame.f_code.co_name}")
         frame = frame.f_back
-    return " < ".join(names)
-
-
-def state_hash(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.to_local().detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    return names
 
 
 def inject() -> None:
@@ -66,12 +60,13 @@ def inject() -> None:
             original = getattr(cls, name)
 
             def failing(self, *args, _original=original, _name=name, **kwargs):  # type: ignore[no-untyped-def]
-                counted = threading.current_thread() is threading.main_thread()
-                if counted and not from_holds():
-                    calls["n"] += 1
-                    if calls["n"] == calls["fail_at"] and dist.rank() == calls["rank"]:
-                        calls["failed"] = f"{_name} in {callers()}"
-                        raise ConnectionError(f"the store stopped answering ({_name})")
+                if threading.current_thread() is threading.main_thread():
+                    chain = callers()
+                    if not any(c.startswith("dcpkit.storage.holds.") for c in chain):
+                        calls["n"] += 1
+                        if calls["n"] == calls["fail_at"] and dist.rank() == calls["rank"]:
+                            calls["failed"] = f"{_name} in {' < '.join(chain)}"
+                            raise ConnectionError(f"the store stopped answering ({_name})")
                 return _original(self, *args, **kwargs)
 
             setattr(cls, name, failing)
@@ -85,59 +80,99 @@ def build(seed: int) -> torch.nn.Module:
     return fully_shard(model)
 
 
+def state_hash(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.to_local().detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def attempt(cfg: CheckpointConfig, mode: str, saver: CheckpointManager, step: int) -> tuple:
+    """One save or load with the failure armed: (outcome, the loaded state's hash)."""
+    model = build(1)
+    mgr = saver if mode == "save" else CheckpointManager(cfg, ".", model)
+    calls.update(n=0, failed="")
+    loaded = None
+    try:
+        if mode == "save":
+            mgr.save(step)
+        elif mode == "load_from":
+            mgr.load_from(cfg.folder, step="latest")
+        elif mode == "verify":
+            problems = mgr.verify(cfg.folder, step=1)
+            assert problems == [], problems
+        else:
+            assert mgr.load() == 1
+        loaded = state_hash(model)
+        outcome = ["ok", ""]
+    except CheckpointError as e:  # StoreUnavailable, a load's, is one
+        outcome = [type(e).__name__, str(e)]
+    except Exception as e:  # a store error raised outside the ranks' agreement
+        outcome = ["raw", f"{type(e).__name__}: {e}"]
+    calls["fail_at"] = 0
+    if mode != "save":
+        mgr.close()
+    return outcome, loaded
+
+
 def sweep(folder: str, mode: str, fail_rank: int) -> dict:
     cfg = CheckpointConfig(
-        enable=True, folder=folder, interval=1, keep_latest_k=2, storage_retry_s=0
-    )
+        enable=True, folder=folder, interval=1, keep_latest_k=2, storage_retry_s=0,
+        verify_on_load=mode != "load-unverified", fallback_on_corruption=mode == "load-fallback",
+    )  # fmt: skip
     original = build(0)
     saver = CheckpointManager(cfg, ".", original)
     saver.save(1)
-    if mode == "load":
+    saved = state_hash(original)
+    if mode == "load-fallback":  # step 2, whose data is then damaged
+        with torch.no_grad():
+            for p in original.parameters():
+                p.add_(1.0)
+        saver.save(2)
+        if dist.rank() == 0:
+            data = Path(folder) / "step-2" / "__0_0.distcp"
+            data.write_bytes(data.read_bytes()[:-8] + bytes(8))
+        dist.barrier()
+    if mode != "save":
         saver.close()
-    expected = CheckpointError  # StoreUnavailable, a load's, is one
-    outcomes = []
-    saved, loaded, step = state_hash(original), None, 1
+    calls["rank"] = fail_rank
+    outcomes, step, loaded = [], 1, None
     for fail_at in range(1, 400):  # until an attempt completes
-        model = build(1)
-        mgr = CheckpointManager(cfg, ".", model) if mode == "load" else saver
-        calls.update(n=0, fail_at=fail_at, failed="", rank=fail_rank)
-        try:
-            if mode == "load":
-                mgr.load()
-                loaded = state_hash(model)
-            else:
-                step += 1
-                mgr.save(step)
-            outcome = ["ok", ""]
-        except expected as e:
-            outcome = [type(e).__name__, str(e)]
-        except Exception as e:  # a store error raised outside the ranks' agreement
-            outcome = ["raw", f"{type(e).__name__}: {e}"]
-        calls["fail_at"] = 0
-        if mode == "load":
-            mgr.close()
+        step += 1
+        calls["fail_at"] = fail_at
+        outcome, loaded = attempt(cfg, mode, saver, step)
         gathered = dist.all_gather_object((outcome, calls["failed"]))
         outcomes.append([fail_at, [o for o, _ in gathered], gathered[fail_rank][1]])
         if all(o[0] == "ok" for o, _ in gathered):
             break
+    failures = [fail_at for fail_at, outcome, _ in outcomes if outcome[0][0] != "ok"]
+    step += 1  # the last failure again, within storage_retry_s: tried again, it completes
+    calls["fail_at"] = failures[-1] if failures else 0
+    retry_cfg = dataclasses.replace(cfg, storage_retry_s=5)
+    if mode == "save":
+        saver.config = retry_cfg
+    retried, _ = attempt(retry_cfg, mode, saver, step)
+    retried_after = dist.all_gather_object(calls["failed"])[fail_rank]
     if mode == "save":  # one more, the store answering: its retention deletes what is due
         step += 1
         saver.save(step)
         saver.close()  # rank 0's deletions done
     dist.barrier()
     return {
-        "rank": dist.rank(), "fail_rank": fail_rank, "outcomes": outcomes,
-        "published": saver.published_steps(), "last": step, "saved": saved, "loaded": loaded,
+        "mode": mode, "rank": dist.rank(), "fail_rank": fail_rank, "outcomes": outcomes,
+        "retried": [retried, retried_after], "published": saver.published_steps(),
+        "last": step, "saved": saved, "loaded": loaded,
     }  # fmt: skip
 
 
 def main() -> None:
-    folder, mode, fail_ranks = sys.argv[1], sys.argv[2], sys.argv[3]
+    folder, modes, fail_ranks = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
     torch_dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     inject()
-    for fail_rank in map(int, fail_ranks.split(",")):
-        line = sweep(f"{folder}/fail-{fail_rank}", mode, fail_rank)
-        sys.stdout.write("RESULT " + json.dumps(line) + "\n")  # one write: lines never mix
+    for mode in modes:
+        for fail_rank in map(int, fail_ranks):
+            line = sweep(f"{folder}/{mode}-{fail_rank}", mode, fail_rank)
+            sys.stdout.write("RESULT " + json.dumps(line) + "\n")  # one write: lines never mix
     torch_dist.barrier()
     torch_dist.destroy_process_group()
 
