@@ -6,8 +6,8 @@ operations never fail. Each rank prints, for each way in and each failing rank, 
     store_faults.py FOLDER MODES FAIL_RANKS     # MODES: "save,load,...", FAIL_RANKS: "0,1"
 
 The ways in (MODES):
-- ``save``: step 1 is saved, then each attempt saves the next step (``keep_latest_k`` 2: its
-  retention runs too);
+- ``save``, ``save-async`` (written by a background thread): step 1 is saved, then each attempt
+  saves the next step (``keep_latest_k`` 2: its retention runs too);
 - ``load``, ``load-unverified`` (``verify_on_load`` off), ``load-fallback`` (the latest step
   corrupt, ``fallback_on_corruption`` on: the load falls back to step 1): each attempt loads
   into a new manager;
@@ -15,10 +15,10 @@ The ways in (MODES):
 
 Once an attempt completes, the last failure is made again with ``storage_retry_s`` 5: the
 operation must try again and complete. The operations counted are the store's (list, stat,
-read, checksum, write, remove, publish) and DCP's writes, made by the training thread; the
-hold against retention (best effort by design: a reader that cannot hold its step reads it
-without one) is left alone. Every collective has a deadline: a rank left waiting for another
-fails the run instead of hanging it.
+read, checksum, write, remove, publish) and DCP's writes, made by the training thread or the
+background writer; the hold against retention (best effort by design: a reader that cannot
+hold its step reads it without one) is left alone. Every collective has a deadline: a rank
+left waiting for another fails the run instead of hanging it.
 """
 
 import dataclasses
@@ -34,6 +34,7 @@ import torch.distributed as torch_dist
 from torch.distributed.fsdp import fully_shard
 
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager, dist
+from dcpkit.engine.async_save import AsyncSaveError
 from dcpkit.storage.local import LocalPending, LocalStore, StepFileWriter
 
 OPERATIONS = {
@@ -60,7 +61,8 @@ def inject() -> None:
             original = getattr(cls, name)
 
             def failing(self, *args, _original=original, _name=name, **kwargs):  # type: ignore[no-untyped-def]
-                if threading.current_thread() is threading.main_thread():
+                thread = threading.current_thread()
+                if thread is threading.main_thread() or thread.name.startswith("dcpkit-writer"):
                     chain = callers()
                     if not any(c.startswith("dcpkit.storage.holds.") for c in chain):
                         calls["n"] += 1
@@ -90,12 +92,13 @@ def state_hash(model: torch.nn.Module) -> str:
 def attempt(cfg: CheckpointConfig, mode: str, saver: CheckpointManager, step: int) -> tuple:
     """One save or load with the failure armed: (outcome, the loaded state's hash)."""
     model = build(1)
-    mgr = saver if mode == "save" else CheckpointManager(cfg, ".", model)
+    mgr = saver if mode.startswith("save") else CheckpointManager(cfg, ".", model)
     calls.update(n=0, failed="")
     loaded = None
     try:
-        if mode == "save":
+        if mode.startswith("save"):
             mgr.save(step)
+            mgr.wait()  # a background save's failure is raised here
         elif mode == "load_from":
             mgr.load_from(cfg.folder, step="latest")
         elif mode == "verify":
@@ -105,12 +108,12 @@ def attempt(cfg: CheckpointConfig, mode: str, saver: CheckpointManager, step: in
             assert mgr.load() == 1
         loaded = state_hash(model)
         outcome = ["ok", ""]
-    except CheckpointError as e:  # StoreUnavailable, a load's, is one
+    except (CheckpointError, AsyncSaveError) as e:  # StoreUnavailable, a load's, is one
         outcome = [type(e).__name__, str(e)]
     except Exception as e:  # a store error raised outside the ranks' agreement
         outcome = ["raw", f"{type(e).__name__}: {e}"]
     calls["fail_at"] = 0
-    if mode != "save":
+    if not mode.startswith("save"):
         mgr.close()
     return outcome, loaded
 
@@ -119,10 +122,12 @@ def sweep(folder: str, mode: str, fail_rank: int) -> dict:
     cfg = CheckpointConfig(
         enable=True, folder=folder, interval=1, keep_latest_k=2, storage_retry_s=0,
         verify_on_load=mode != "load-unverified", fallback_on_corruption=mode == "load-fallback",
+        async_mode="async" if mode == "save-async" else "disabled",
     )  # fmt: skip
     original = build(0)
     saver = CheckpointManager(cfg, ".", original)
     saver.save(1)
+    saver.wait()
     saved = state_hash(original)
     if mode == "load-fallback":  # step 2, whose data is then damaged
         with torch.no_grad():
@@ -133,7 +138,7 @@ def sweep(folder: str, mode: str, fail_rank: int) -> dict:
             data = Path(folder) / "step-2" / "__0_0.distcp"
             data.write_bytes(data.read_bytes()[:-8] + bytes(8))
         dist.barrier()
-    if mode != "save":
+    if not mode.startswith("save"):
         saver.close()
     calls["rank"] = fail_rank
     outcomes, step, loaded = [], 1, None
@@ -149,11 +154,11 @@ def sweep(folder: str, mode: str, fail_rank: int) -> dict:
     step += 1  # the last failure again, within storage_retry_s: tried again, it completes
     calls["fail_at"] = failures[-1] if failures else 0
     retry_cfg = dataclasses.replace(cfg, storage_retry_s=5)
-    if mode == "save":
+    if mode.startswith("save"):
         saver.config = retry_cfg
     retried, _ = attempt(retry_cfg, mode, saver, step)
     retried_after = dist.all_gather_object(calls["failed"])[fail_rank]
-    if mode == "save":  # one more, the store answering: its retention deletes what is due
+    if mode.startswith("save"):  # one more, the store answering: its retention deletes
         step += 1
         saver.save(step)
         saver.close()  # rank 0's deletions done

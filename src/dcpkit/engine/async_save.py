@@ -44,14 +44,16 @@ from dcpkit.engine.plan_seed import Seed
 from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.staged import StagedPlanner, StagedStep
 from dcpkit.engine.writer_process import WriterProcess
+from dcpkit.errors import CheckpointError
 from dcpkit.units import human_bytes
 
 logger = logging.getLogger(__name__)
 _IMMUTABLE = (int, float, bool, str, bytes, type(None))
 
 
-class AsyncSaveError(RuntimeError):
-    """A background save failed; raised in the training process, naming the step."""
+class AsyncSaveError(CheckpointError):
+    """A background save failed; raised in the training process, naming the step (a
+    ``CheckpointError``, as a synchronous save's failure is)."""
 
 
 class AsyncCheckpointer:
@@ -145,12 +147,16 @@ class AsyncCheckpointer:
         try:
             pending.result()
         except BaseException as e:
-            latest = store.latest_step() if store is not None else None
-            where = (
-                f"step {latest} is still the latest" if latest is not None else "none is published"
-            )
-            said = "still the latest" in str(e) or "is published" in str(e)
-            tail = "" if said else f"; step {step} was not written ({where})"
+            tail = ""
+            if not ("still the latest" in str(e) or "is published" in str(e)):
+                try:  # the store that failed the save may not answer a listing either
+                    latest = store.latest_step() if store is not None else None
+                    where = f"step {latest} is still the latest" if latest is not None else (
+                        "none is published"
+                    )  # fmt: skip
+                except Exception as listing:
+                    where = f"its folder could not be listed: {listing}"
+                tail = f"; step {step} was not written ({where})"
             raise AsyncSaveError(f"the asynchronous save of step {step} failed: {e}{tail}") from e
 
     def global_plans(self) -> int:
