@@ -271,24 +271,29 @@ def test_a_load_that_loses_its_store_fails_on_every_rank_together(weed_proxy, tm
 
 # --- each storage operation of a save or a load, failing on one rank in turn ---------------------
 
-_WAYS = ("save", "save-async", "load", "load-unverified", "load-fallback", "load_from", "verify")
+_WAYS = (
+    "save", "save-async", "save-first", "load", "load-unverified", "load-fallback", "load_from",
+    "verify",
+)  # fmt: skip
 
 
 @pytest.mark.dist
 def test_a_store_failing_on_one_rank_fails_every_rank_together(tmp_path):
     """2 ranks; one rank's Nth storage operation fails with ConnectionError (as an object store
     that stops answering does: each rank in turn, every N until the operation completes), the
-    other rank's never. Each way in: a save (its retention included), a background save,
-    ``load()`` with and without ``verify_on_load``, one that falls back past a corrupt step,
-    ``load_from`` a run's ``latest``, ``verify``. Every failure is raised on both ranks with the
-    same message, of the kind promised (a save's CheckpointError, a background save's
-    AsyncSaveError, which is one, a load's StoreUnavailable): never the store's own error from
-    an operation made outside the ranks' agreement, never a rank left waiting for the other
-    (collectives time out at 60 s). The save that completes has published its step (a failure
-    left in its retention defers the deletion to the next save, which makes it); the load
-    restores every shard bit for bit; and with storage_retry_s the last failure is tried again
-    and the operation completes. (Reads of the hold against retention are left alone: a load
-    that cannot hold its step reads it without one, see test_readers.)"""
+    other rank's never. Each way in: a save (its retention included), a background save, a
+    manager's first save (it takes the lease), ``load()`` with and without ``verify_on_load``,
+    one that falls back past a corrupt step, ``load_from`` a run's ``latest``, ``verify``.
+    Every failure is raised on both ranks with the same message, of the kind promised (a
+    save's CheckpointError, a background save's AsyncSaveError, which is one, a load's
+    StoreUnavailable): never the store's own error from an operation made outside the ranks'
+    agreement, never a rank left waiting for the other (collectives time out at 60 s), never a
+    lease that could not be read taken for a free folder. The save that completes has
+    published its step (a failure left in its retention defers the deletion to the next save,
+    which makes it); the load restores every shard bit for bit; and with storage_retry_s the
+    last failure is tried again and the operation completes. (Reads of the hold against
+    retention are left alone: a load that cannot hold its step reads it without one, see
+    test_readers.)"""
     import json
 
     from conftest import run_script

@@ -7,7 +7,8 @@ operations never fail. Each rank prints, for each way in and each failing rank, 
 
 The ways in (MODES):
 - ``save``, ``save-async`` (written by a background thread): step 1 is saved, then each attempt
-  saves the next step (``keep_latest_k`` 2: its retention runs too);
+  saves the next step (``keep_latest_k`` 2: its retention runs too); ``save-first``: the same,
+  each by a new manager (its first save takes the folder's lease);
 - ``load``, ``load-unverified`` (``verify_on_load`` off), ``load-fallback`` (the latest step
   corrupt, ``fallback_on_corruption`` on: the load falls back to step 1): each attempt loads
   into a new manager;
@@ -28,6 +29,7 @@ import json
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -89,11 +91,17 @@ def state_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def attempt(cfg: CheckpointConfig, mode: str, saver: CheckpointManager, step: int) -> tuple:
-    """One save or load with the failure armed: (outcome, the loaded state's hash)."""
+def fresh(mode: str) -> bool:
+    """Whether each attempt is made by a manager of its own (else by the one that saved)."""
+    return mode == "save-first" or not mode.startswith("save")
+
+
+def attempt(cfg: CheckpointConfig, mode: str, saver: Any, step: int, fail_at: int) -> tuple:
+    """One save or load with the failure armed at ``fail_at``: (outcome, the loaded state's
+    hash). A manager of its own is built before the failure is armed."""
     model = build(1)
-    mgr = saver if mode.startswith("save") else CheckpointManager(cfg, ".", model)
-    calls.update(n=0, failed="")
+    mgr = CheckpointManager(cfg, ".", model) if fresh(mode) else saver
+    calls.update(n=0, failed="", fail_at=fail_at)
     loaded = None
     try:
         if mode.startswith("save"):
@@ -113,7 +121,7 @@ def attempt(cfg: CheckpointConfig, mode: str, saver: CheckpointManager, step: in
     except Exception as e:  # a store error raised outside the ranks' agreement
         outcome = ["raw", f"{type(e).__name__}: {e}"]
     calls["fail_at"] = 0
-    if not mode.startswith("save"):
+    if fresh(mode):
         mgr.close()
     return outcome, loaded
 
@@ -138,30 +146,28 @@ def sweep(folder: str, mode: str, fail_rank: int) -> dict:
             data = Path(folder) / "step-2" / "__0_0.distcp"
             data.write_bytes(data.read_bytes()[:-8] + bytes(8))
         dist.barrier()
-    if not mode.startswith("save"):
+    if fresh(mode):
         saver.close()
     calls["rank"] = fail_rank
     outcomes, step, loaded = [], 1, None
     for fail_at in range(1, 400):  # until an attempt completes
         step += 1
-        calls["fail_at"] = fail_at
-        outcome, loaded = attempt(cfg, mode, saver, step)
+        outcome, loaded = attempt(cfg, mode, saver, step, fail_at)
         gathered = dist.all_gather_object((outcome, calls["failed"]))
         outcomes.append([fail_at, [o for o, _ in gathered], gathered[fail_rank][1]])
         if all(o[0] == "ok" for o, _ in gathered):
             break
     failures = [fail_at for fail_at, outcome, _ in outcomes if outcome[0][0] != "ok"]
     step += 1  # the last failure again, within storage_retry_s: tried again, it completes
-    calls["fail_at"] = failures[-1] if failures else 0
     retry_cfg = dataclasses.replace(cfg, storage_retry_s=5)
-    if mode.startswith("save"):
-        saver.config = retry_cfg
-    retried, _ = attempt(retry_cfg, mode, saver, step)
+    saver.config = retry_cfg
+    retried, _ = attempt(retry_cfg, mode, saver, step, failures[-1] if failures else 0)
     retried_after = dist.all_gather_object(calls["failed"])[fail_rank]
     if mode.startswith("save"):  # one more, the store answering: its retention deletes
         step += 1
-        saver.save(step)
-        saver.close()  # rank 0's deletions done
+        final = CheckpointManager(cfg, ".", build(1)) if fresh(mode) else saver
+        final.save(step)
+        final.close()  # rank 0's deletions done
     dist.barrier()
     return {
         "mode": mode, "rank": dist.rank(), "fail_rank": fail_rank, "outcomes": outcomes,

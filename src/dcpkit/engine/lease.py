@@ -22,8 +22,10 @@ import uuid
 import weakref
 from typing import Any
 
+from dcpkit.engine.publish import retrying_alone
 from dcpkit.errors import CheckpointError
 from dcpkit.layout import LEASE
+from dcpkit.storage import StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +61,16 @@ class Lease:
         self.lost: str | None = None
 
     def _read(self) -> dict[str, Any] | None:
+        """The lease's record; None when there is none, or what is there is no record (it is
+        rewritten). A store that fails to answer raises: never taken for a free folder."""
         try:
             data = self.store.read_bytes(LEASE) if self.store.exists(LEASE) else None
+        except FileNotFoundError:
+            return None  # released in between
+        try:
             holder = json.loads(data) if data else None
-        except (OSError, ValueError):
-            return None  # unreadable: treated as no lease (it is rewritten below)
+        except ValueError:
+            return None
         return holder if isinstance(holder, dict) else None
 
     def _write(self) -> None:
@@ -182,7 +189,8 @@ def check_free(store: Any, timeout_s: float, owner: Any = None) -> None:
 
     if owner is not None:
         _claim(store, owner, claim=False)
-    error = dist.first_rank_error(Lease(store, timeout_s).check, (CheckpointError,))
+    check = _retried(Lease(store, timeout_s).check, "read", store, owner)
+    error = dist.first_rank_error(check, (CheckpointError,))
     if error:
         raise CheckpointError(error)
 
@@ -205,10 +213,29 @@ def take_lease(store: Any, timeout_s: float, owner: Any = None) -> Lease | None:
 
     memory_every = getattr(getattr(owner, "config", None), "local_interval", 0) or 0
     lease = Lease(store, timeout_s, memory_every) if dist.rank() == 0 else None
-    error = dist.first_rank_error(lease.acquire if lease else lambda: None, (CheckpointError,))
+    acquire = _retried(lease.acquire, "taken", store, owner) if lease else list
+    error = dist.first_rank_error(acquire, (CheckpointError,))
     if error:
         raise CheckpointError(error)
     return lease
+
+
+def _retried(fn: Any, done: str, store: Any, owner: Any) -> Any:
+    """``fn`` tried again while the store does not answer, within the owner's storage_retry_s;
+    a store that still fails is a ``CheckpointError`` saying that the lease could not be
+    ``done`` (never a folder taken for free because its lease could not be read)."""
+    retry_s = float(getattr(getattr(owner, "config", None), "storage_retry_s", 0.0))
+
+    def run() -> None:
+        try:
+            retrying_alone(fn, retry_s)
+        except (StoreError, OSError) as e:
+            raise CheckpointError(
+                f"{store.root}: its lease ({LEASE}) could not be {done}: {type(e).__name__}: "
+                f"{e}; retried for {retry_s:.0f}s ([checkpoint] storage_retry_s)"
+            ) from None
+
+    return run
 
 
 def check_lease(lease: Lease | None) -> None:
