@@ -14,7 +14,7 @@ from dcpkit import dist
 from dcpkit.config import ConfigError
 from dcpkit.engine.policy import choose_step, fallback_steps, is_seed_step
 from dcpkit.engine.reading import FailedVerification
-from dcpkit.engine.together import failure_of, raise_failure, retrying, together
+from dcpkit.engine.together import decided, retrying, together
 from dcpkit.errors import CheckpointError, CorruptCheckpoint
 from dcpkit.integrity import verify_checkpoint
 from dcpkit.layout import (
@@ -97,16 +97,7 @@ def plan_everywhere(config: Any, store: Any, states: Any = ()) -> LoadPlan:
 
 
 def _plan_once(config: Any, store: Any, states: Any) -> LoadPlan:
-    plan, failure = None, None
-    if dist.rank() == 0:
-        try:
-            plan = plan_load(config, store, states)
-        except Exception as e:
-            failure = failure_of(e, store.root)
-    plan, failure = dist.broadcast_object((plan, failure))
-    if failure is not None:
-        raise_failure(*failure)
-    return plan
+    return decided(lambda: plan_load(config, store, states), store.root)
 
 
 def _holds_model_only(store: Any, name: str) -> bool:

@@ -70,6 +70,21 @@ def together(fn: Callable[[], T], location: str, gather: bool = True) -> T:
     return result  # type: ignore[return-value]
 
 
+def decided(fn: Callable[[], T], location: str) -> T:
+    """``fn()`` on rank 0 (a listing, a choice), its result on every rank; when it raises,
+    every rank raises that error."""
+    result, failure = None, None
+    if dist.rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:
+            failure = failure_of(e, location)
+    result, failure = dist.broadcast_object((result, failure))
+    if failure is not None:
+        raise_failure(*failure)
+    return result  # type: ignore[return-value]
+
+
 def retrying(fn: Callable[[], T], retry_s: float, what: str) -> T:
     """``fn()`` (whose failures every rank raises together), tried again with backoff while it
     fails with ``StoreUnavailable`` and ``retry_s`` seconds have not passed: rank 0 decides when

@@ -41,6 +41,7 @@ from dcpkit import dist
 from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.engine.manager import CheckpointManager
 from dcpkit.engine.states import capture_rng, rank_key, restore_rng
+from dcpkit.engine.together import decided, together
 from dcpkit.errors import CheckpointError
 from dcpkit.formats.dcp import DCPCheckpoint
 from dcpkit.layout import step_name
@@ -197,41 +198,47 @@ class DcpkitTrainerMixin:
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kw: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest published step
         of ``OUTPUT_DIR/checkpoint`` (a path or URL of one ``step-N`` is taken as well)."""
-        if resume_from_checkpoint:
-            store = self._store()
-            if resume_from_checkpoint is True:
-                steps = store.published_steps()
-                if not steps:
-                    raise CheckpointError(
-                        f"resume_from_checkpoint=True, but {store.root} holds no published step"
-                    )
-                step = steps[-1]
-            else:
-                name = str(resume_from_checkpoint).rstrip("/").rsplit("/", 1)[-1]
-                if not name.startswith("step-") or not name[5:].isdigit():
-                    raise CheckpointError(
-                        f"resume_from_checkpoint={resume_from_checkpoint!r}: give True or a "
-                        f"step-N folder of {store.root}"
-                    )
-                step = int(name[5:])
-                given, own = str(resume_from_checkpoint), store.location(step_name(step))
-                mine = local_path(own)
-                if mine is None:
-                    same = given.rstrip("/") == own
-                else:
-                    same = Path(given).resolve() == mine.resolve()
-                if not same:  # a step of another folder: never this folder's step of that number
-                    raise CheckpointError(
-                        f"resume_from_checkpoint={given!r} is not a step of this run's folder "
-                        f"{store.root}: give True or one of its step-N folders"
-                    )
-            resume_from_checkpoint = self._resume_folder(store, step)
+        if resume_from_checkpoint:  # rank 0 chooses the step; every rank fails with it
+            store, given = self._store(), resume_from_checkpoint
+            step = decided(lambda: self._resume_step(store, given), store.root)
+            where = store.location(step_name(step))
+            resume_from_checkpoint = together(lambda: self._resume_folder(store, step), where)
         try:
             return super().train(resume_from_checkpoint, *args, **kw)  # type: ignore[misc]
         finally:
             if self._dcpkit is not None:  # its last save written and published
                 self._dcpkit.close()
                 self._dcpkit = None
+
+    def _resume_step(self, store: Any, resume_from_checkpoint: Any) -> int:
+        """The step ``resume_from_checkpoint`` names: True, the newest published one."""
+        if resume_from_checkpoint is True:
+            steps = store.published_steps()
+            if not steps:
+                raise CheckpointError(
+                    f"resume_from_checkpoint=True, but {store.root} holds no published step"
+                )
+            step = steps[-1]
+        else:
+            name = str(resume_from_checkpoint).rstrip("/").rsplit("/", 1)[-1]
+            if not name.startswith("step-") or not name[5:].isdigit():
+                raise CheckpointError(
+                    f"resume_from_checkpoint={resume_from_checkpoint!r}: give True or a "
+                    f"step-N folder of {store.root}"
+                )
+            step = int(name[5:])
+            given, own = str(resume_from_checkpoint), store.location(step_name(step))
+            mine = local_path(own)
+            if mine is None:
+                same = given.rstrip("/") == own
+            else:
+                same = Path(given).resolve() == mine.resolve()
+            if not same:  # a step of another folder: never this folder's step of that number
+                raise CheckpointError(
+                    f"resume_from_checkpoint={given!r} is not a step of this run's folder "
+                    f"{store.root}: give True or one of its step-N folders"
+                )
+        return step
 
     def _resume_folder(self, store: Any, step: int) -> str:
         """A local folder holding the step's ``trainer_state.json`` (read from the checkpoint),
