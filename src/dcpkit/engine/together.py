@@ -113,17 +113,14 @@ def held_everywhere(
     """Every rank: ``(store, name)`` of what ``path`` (with ``step``: see ``open_reading``)
     names, resolved and held against its run's retention by rank 0, until every rank has read
     it; a failure to resolve it raises on every rank."""
-    held = None
-    if dist.rank() == 0:
-        try:
-            held = open_reading(path, step, purpose, storage_options)
-            chosen: tuple[str | None, tuple[str, str] | None] = (held.location, None)
-        except Exception as e:
-            chosen = (None, failure_of(e, str(path)))
-    location, failure = dist.broadcast_object(chosen if dist.rank() == 0 else None)
-    if failure is not None:
-        raise_failure(*failure)
-    with letting_go(held, before=dist.barrier):  # every rank has read it: the hold may go
+    held: list[Any] = []  # rank 0's hold, kept here: only its location goes to the others
+
+    def resolve() -> str:
+        held.append(open_reading(path, step, purpose, storage_options))
+        return held[0].location
+
+    location = decided(resolve, str(path))
+    with letting_go(held[0] if held else None, before=dist.barrier):  # read by every rank
         yield open_location(location, storage_options)
 
 
