@@ -35,6 +35,32 @@ def torchrun_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+_pool = None
+
+
+def rank_pool():
+    """The session's pool of rank processes (``ranks.py``), started at its first job."""
+    global _pool
+    if _pool is None:
+        from ranks import RankPool
+
+        _pool = RankPool(torchrun_env())
+    return _pool
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_rank_pool():
+    yield
+    if _pool is not None:
+        _pool.close()
+
+
+def needs_torchrun(env: dict[str, str] | None) -> bool:
+    """A job with a failpoint SIGKILLs its own process: a real torchrun sees that, as a
+    scheduler would; a pooled rank would only be started again."""
+    return bool((env or {}).get("DCPKIT_FAILPOINT"))
+
+
 def run_train(
     nproc: int,
     dump: Path,
@@ -42,14 +68,21 @@ def run_train(
     env: dict[str, str] | None = None,
     check: bool = True,
     timeout: int = 300,
+    torchrun: bool = False,
 ) -> subprocess.CompletedProcess:
-    """The reference trainer under torchrun, as a user runs it."""
-    cmd = torchrun_command(
-        nproc, ["--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), *overrides]
-    )
-    proc = subprocess.run(
-        cmd, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout
-    )
+    """The reference trainer as under ``torchrun --nproc-per-node NPROC``: on the session's rank
+    pool, or (``torchrun=True``, or a failpoint in ``env``) under a real torchrun."""
+    args = ["--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), *overrides]
+    if torchrun or needs_torchrun(env):
+        proc = subprocess.run(
+            torchrun_command(nproc, args),
+            env=torchrun_env(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    else:
+        proc = rank_pool().run(nproc, "train", "", args, torchrun_env(env), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -58,20 +91,31 @@ def run_train(
 
 
 def run_script(
-    nproc: int, script: str, *args: str, timeout: int = 300, env: dict[str, str] | None = None
+    nproc: int,
+    script: str,
+    *args: str,
+    timeout: int = 300,
+    env: dict[str, str] | None = None,
+    torchrun: bool = False,
 ) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(ROOT / "tests" / "scripts" / script),
-        *args,
-    ]
-    proc = subprocess.run(
-        cmd, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout
-    )
+    """A script of ``tests/scripts`` on NPROC ranks: on the rank pool, or under a real torchrun
+    (``torchrun=True``, or a failpoint in ``env``)."""
+    path = str(ROOT / "tests" / "scripts" / script)
+    if torchrun or needs_torchrun(env):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            path,
+            *args,
+        ]
+        proc = subprocess.run(
+            cmd, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout
+        )
+    else:
+        proc = rank_pool().run(nproc, "script", path, list(args), torchrun_env(env), timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
