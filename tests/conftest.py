@@ -90,6 +90,44 @@ def run_train(
     return proc
 
 
+def run_ranks(
+    nproc: int,
+    path: str | Path,
+    *args: str,
+    timeout: int = 300,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    torchrun: bool = False,
+) -> subprocess.CompletedProcess:
+    """A user's script (an example, a script of ``tests/scripts``) on NPROC ranks, as
+    ``torchrun --standalone --nproc-per-node NPROC PATH ARGS`` runs it: on the rank pool, or
+    under a real torchrun (``torchrun=True``, or a failpoint in ``env``). Not checked."""
+    if torchrun or needs_torchrun(env):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(path),
+            *args,
+        ]
+        return subprocess.run(
+            cmd, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout, cwd=cwd
+        )
+    return rank_pool().run(nproc, "script", str(path), list(args), torchrun_env(env), timeout, cwd)
+
+
+def run_python(
+    path: str | Path, *args: str, timeout: int = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python PATH ARGS`` as one process without torchrun's environment, run on the rank
+    pool (the script's ``__main__``, its output and status read back). Not checked."""
+    return rank_pool().run(
+        1, "script", str(path), list(args), torchrun_env(env), timeout, plain=True
+    )
+
+
 def run_script(
     nproc: int,
     script: str,
@@ -98,24 +136,9 @@ def run_script(
     env: dict[str, str] | None = None,
     torchrun: bool = False,
 ) -> subprocess.CompletedProcess:
-    """A script of ``tests/scripts`` on NPROC ranks: on the rank pool, or under a real torchrun
-    (``torchrun=True``, or a failpoint in ``env``)."""
-    path = str(ROOT / "tests" / "scripts" / script)
-    if torchrun or needs_torchrun(env):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            path,
-            *args,
-        ]
-        proc = subprocess.run(
-            cmd, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout
-        )
-    else:
-        proc = rank_pool().run(nproc, "script", path, list(args), torchrun_env(env), timeout)
+    """A script of ``tests/scripts`` on NPROC ranks (``run_ranks``), which must succeed."""
+    path = ROOT / "tests" / "scripts" / script
+    proc = run_ranks(nproc, path, *args, timeout=timeout, env=env, torchrun=torchrun)
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc

@@ -41,8 +41,13 @@ def _os_exit(code: int = 0) -> None:
     raise _ProcessExit(code)
 
 
-def _forget_stores() -> None:
-    """Object-store clients and in-memory file systems a job left: a new process has none."""
+def _forget_singletons() -> None:
+    """Object-store clients, in-memory file systems and Accelerate's process state a job left:
+    a new process has none of them."""
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None:
+        accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
+        accelerate_state.GradientState._reset_state()
     s3fs = sys.modules.get("s3fs")
     if s3fs is not None:
         s3fs.S3FileSystem.clear_instance_cache()
@@ -114,7 +119,7 @@ def run_job(job: dict) -> dict:
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
-    _forget_stores()
+    _forget_singletons()
     sys.stdout.flush()
     sys.stderr.flush()
     with open(job["stdout"], "wb") as out, open(job["stderr"], "wb") as err:

@@ -107,8 +107,13 @@ class RankPool:
         args: list[str],
         env: dict[str, str],
         timeout: float,
+        cwd: str | Path | None = None,
+        plain: bool = False,
     ) -> subprocess.CompletedProcess:
-        """Run one job on ranks 0..nproc-1, as ``torchrun --standalone --nproc-per-node`` would."""
+        """Run one job on ranks 0..nproc-1, as ``torchrun --standalone --nproc-per-node`` would;
+        ``plain``: one process as ``python PATH`` runs it (no torchrun environment)."""
+        if plain and nproc != 1:
+            raise ValueError("a plain job is one process")
         if not 1 <= nproc <= MAX_RANKS:
             raise ValueError(f"the pool runs 1 to {MAX_RANKS} ranks, not {nproc}")
         workers = [self._worker(rank) for rank in range(nproc)]
@@ -121,28 +126,32 @@ class RankPool:
         folder = Path(tempfile.mkdtemp(prefix=f"job-{self.jobs}-", dir=self.scratch))
         started = time.perf_counter()
         for rank, worker in enumerate(workers):
-            rank_env = {
-                **env,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(nproc),
-                "LOCAL_WORLD_SIZE": str(nproc),
-                "GROUP_RANK": "0",
-                "ROLE_RANK": str(rank),
-                "ROLE_WORLD_SIZE": str(nproc),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "TORCHELASTIC_RESTART_COUNT": "0",
-                "TORCHELASTIC_MAX_RESTARTS": "0",
-                "TORCHELASTIC_RUN_ID": f"pool-{self.jobs}",
-            }
+            rank_env = (
+                env
+                if plain
+                else {
+                    **env,
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(nproc),
+                    "LOCAL_WORLD_SIZE": str(nproc),
+                    "GROUP_RANK": "0",
+                    "ROLE_RANK": str(rank),
+                    "ROLE_WORLD_SIZE": str(nproc),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "TORCHELASTIC_RESTART_COUNT": "0",
+                    "TORCHELASTIC_MAX_RESTARTS": "0",
+                    "TORCHELASTIC_RUN_ID": f"pool-{self.jobs}",
+                }
+            )
             worker.send(
                 {
                     "kind": kind,
                     "target": target,
                     "args": list(args),
                     "env": rank_env,
-                    "cwd": os.getcwd(),
+                    "cwd": str(cwd or os.getcwd()),
                     "stdout": str(folder / f"{rank}.out"),
                     "stderr": str(folder / f"{rank}.err"),
                 }

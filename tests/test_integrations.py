@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, cli, torchrun_env
+from conftest import ROOT, cli, run_python, run_ranks, torchrun_env
 
 pytestmark = pytest.mark.dist
 
@@ -29,11 +29,7 @@ def run_example(
 ) -> dict[int, str]:
     """The example's printed losses by step (its `step N loss X` lines); ``logs`` gets its
     output."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "examples" / name), *args],
-        cwd=cwd, env=torchrun_env(env), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = run_ranks(2, ROOT / "examples" / name, *args, cwd=cwd, env=env)
     if ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     else:
@@ -116,11 +112,8 @@ def test_accelerate_refuses_a_dataloader_whose_position_would_be_lost(stateful, 
 
 def _epochs_run(folder: Path, *args: str, env: dict[str, str] | None = None, ok: bool = True):
     """``tests/scripts/accelerate_epochs.py``'s lines by (rank, step): (loss, mine, shared)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "tests" / "scripts" / "accelerate_epochs.py"), str(folder), *args],
-        env=torchrun_env(env), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    script = ROOT / "tests" / "scripts" / "accelerate_epochs.py"
+    proc = run_ranks(2, script, str(folder), *args, env=env)
     assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = re.findall(
         r"^rank (\d) step (\d+) loss (\S+) mine (\d+) shared (\d+)", proc.stdout, re.M
@@ -439,11 +432,8 @@ def test_torchtitan_checkpoint_verifies_and_exports_its_llama(titan_full, tmp_pa
     proc = cli("to-hf", str(step), str(hf), "--model", "llama3", "--flavor", "debugmodel")
     assert proc.returncode == 0, proc.stderr
     expected = tmp_path / "logits.safetensors"  # TorchTitan's own model, loaded by DCP
-    subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / "torchtitan_logits.py"), str(step),
-         str(expected)],
-        check=True, env=torchrun_env(), capture_output=True, timeout=300,
-    )  # fmt: skip
+    proc = run_python(ROOT / "tests" / "scripts" / "torchtitan_logits.py", str(step), str(expected))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     want = load_file(expected)
     got = logits_of(hf, want["tokens"])
     assert (got - want["logits"]).abs().max().item() <= 1e-5
@@ -575,11 +565,12 @@ def test_torchtitan_starts_from_a_hugging_face_folder_and_ends_with_one(titan_fu
     assert sorted(ours) == sorted(theirs) and len(ours) == 57
     assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
     expected = tmp_path / "logits.safetensors"  # TorchTitan's model at step 8 of the same run
-    subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / "torchtitan_logits.py"),
-         str(runs["imported"][1] / "step-8"), str(expected)],
-        check=True, env=torchrun_env(), capture_output=True, timeout=300,
-    )  # fmt: skip
+    proc = run_python(
+        ROOT / "tests" / "scripts" / "torchtitan_logits.py",
+        str(runs["imported"][1] / "step-8"),
+        str(expected),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
     from safetensors.torch import load_file
 
     want = load_file(expected)
