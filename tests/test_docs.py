@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli, torchrun_env
+from conftest import ROOT, cli, run_ranks, torchrun_env
 
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -63,11 +63,7 @@ def test_every_example_is_shown_somewhere():
 
 
 def _run_example(cwd: Path, name: str) -> dict[int, str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "examples" / name)],
-        cwd=cwd, env=torchrun_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = run_ranks(2, ROOT / "examples" / name, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {int(m[0]): m[1] for m in re.findall(r"^step (\d+) loss (\S+)$", proc.stdout, re.M)}
 

@@ -6,23 +6,18 @@ resumed run bitwise equal to an uninterrupted run's."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, cli, torchrun_env
+from conftest import ROOT, cli, run_ranks
 
 
 def trainer_run(out, *args: str, env: dict[str, str] | None = None, ok: bool = True, cwd=None):
     """Each rank's loss of each micro-batch, by (rank, step, micro-batch)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "examples" / "transformers_trainer.py"), str(out), *args],
-        env=torchrun_env(env), capture_output=True, text=True, timeout=300, cwd=cwd,
-    )  # fmt: skip
+    example = ROOT / "examples" / "transformers_trainer.py"
+    proc = run_ranks(2, example, str(out), *args, env=env, cwd=cwd)
     if ok:  # each rank's error first: the launcher's own report follows it at length
         errors = [x for x in proc.stderr.splitlines() if re.search(r"(Error|Exception)\b", x)]
         assert proc.returncode == 0, "\n".join(errors[:20]) + proc.stderr[-3000:]
