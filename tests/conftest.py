@@ -21,6 +21,8 @@ from dcpkit.cli import main as cli_main
 from dcpkit.launch import torchrun_command
 from dcpkit.train.metrics import read_run
 
+pytest_plugins = ["profiling"]  # on only when DCPKIT_TEST_PROFILE names a results file
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "llama3_debugmodel.toml"
 

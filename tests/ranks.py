@@ -87,7 +87,8 @@ class RankPool:
         self.workers: list[_Worker | None] = [None] * MAX_RANKS
         self.jobs = 0
         self.restarts = 0
-        self.seconds: dict[str, float] = {"start": 0.0, "jobs": 0.0}
+        self.starts = 0
+        self.seconds: dict[str, float] = {"start": 0.0, "train": 0.0, "script": 0.0}
 
     def _worker(self, rank: int) -> _Worker:
         worker = self.workers[rank]
@@ -97,6 +98,7 @@ class RankPool:
                 self.restarts += 1
             worker = _Worker(self.env, self.scratch / f"worker-{rank}.log")
             self.workers[rank] = worker
+            self.starts += 1
         return worker
 
     def run(
@@ -157,7 +159,7 @@ class RankPool:
                 }
             )
         codes = self._collect(workers, timeout, started)
-        self.seconds["jobs"] += time.perf_counter() - started
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - started
         out = "".join((folder / f"{r}.out").read_text(errors="replace") for r in range(nproc))
         err = "".join((folder / f"{r}.err").read_text(errors="replace") for r in range(nproc))
         for name in folder.iterdir():
