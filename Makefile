@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SITE   := site
 
-.PHONY: demo test docs chromium lint fuzz venv clean report-check wheel-check
+.PHONY: demo test test-profile docs chromium lint fuzz venv clean report-check wheel-check
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -21,6 +21,11 @@ test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d $(SITE)
 	$(PY) -m pytest -q --durations=40
+
+# The suite run once with its profile: where the time goes, per test file and per kind of cost,
+# written to benchmarks/results/test_profile.json (docs/contributing.md shows its totals).
+test-profile: $(STAMP) chromium
+	$(PY) benchmarks/test_profile.py --durations=40
 
 # The docs site, built in strict mode: a broken link, a missing page or a bad docstring fails it.
 # First the benchmark figures the pages show are written from their results files.

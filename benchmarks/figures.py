@@ -37,6 +37,7 @@ from _figures_scale import (
     planning_replicas,
     planning_restart,
 )
+from _figures_suite import test_profile
 from _format import GIB, MIB, head, span, times
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -379,6 +380,9 @@ def model_io(data: dict) -> str:
 
 
 SOURCES: dict[str, Source] = {
+    "test_profile": Source(
+        "benchmarks/results/test_profile.json", "benchmarks/test_profile.py", test_profile
+    ),
     "readers_beside": Source(
         "benchmarks/results/readers_beside.json", "benchmarks/readers_beside.py", readers_beside
     ),

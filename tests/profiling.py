@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 ENV = "DCPKIT_TEST_PROFILE"
 KINDS = (
     "pool_start",
@@ -119,6 +121,7 @@ class Profile:
         pool = getattr(conftest, "_pool", None)
         return dict(pool.seconds) if pool is not None else {}
 
+    @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         before_pool = self._pool_seconds()
         before = dict(_counters)
@@ -145,8 +148,6 @@ class Profile:
             "python_starts": starts,
             "kinds": {k: round(v, 3) for k, v in kinds.items()},
         }
-
-    pytest_runtest_protocol.hookwrapper = True  # type: ignore[attr-defined]
 
     def pytest_sessionfinish(self, session, exitstatus):
         files: dict[str, dict] = {}

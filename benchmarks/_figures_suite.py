@@ -1,0 +1,44 @@
+"""The test suite's profile (``benchmarks/test_profile.py``), rendered for docs/contributing.md."""
+
+from __future__ import annotations
+
+from _format import head, para
+
+KIND_NAMES = {
+    "pool_train": "the reference trainer's runs on the rank pool",
+    "pool_script": "scripts and examples on the rank pool",
+    "pool_start": "starting the rank pool's workers (torch imported once each)",
+    "process_start": "Python processes the tests start themselves: start and import",
+    "processes": "those processes' own work (torchrun launches, the CLI, servers, builds)",
+    "sleep": "fixed sleeps in the test process",
+    "in_process": "in the test process: compute, I/O, waiting on servers",
+}
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min"
+
+
+def test_profile(data: dict) -> str:
+    total = sum(data["kinds_s"].values())
+    lines = [
+        para(
+            f"{data['tests']} tests in {_minutes(data['pytest_wall_s'])} of pytest on "
+            f"{data['cores']} cores; the rank pool ran {data['pool']['jobs']} multi-rank jobs on "
+            f"{data['pool']['worker_starts']} worker starts ({data['pool']['restarts']} of them "
+            f"after a stopped job); the tests started {data['python_starts']} Python processes of "
+            f"their own, each import of torch and dcpkit taking {data['import_s']:.1f} s."
+        ).rstrip("\n"),
+        "",
+        *head("where the time goes", "time", "share"),
+    ]
+    for kind, seconds in sorted(data["kinds_s"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {KIND_NAMES[kind]} | {_minutes(seconds)} | {seconds / total:.0%} |")
+    lines += ["", *head("test file", "tests", "time", "Python starts", "most of it")]
+    for name, entry in list(data["files"].items())[:15]:
+        kind = max(entry["kinds"], key=entry["kinds"].get)
+        lines.append(
+            f"| `{name.removeprefix('tests/')}` | {entry['tests']} | {entry['seconds']:.0f} s | "
+            f"{entry['python_starts']} | {KIND_NAMES[kind].split(':')[0]} |"
+        )
+    return "\n".join(lines) + "\n"
