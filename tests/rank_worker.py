@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import runpy
 import socket
@@ -89,6 +90,29 @@ def _restore(saved: dict[int, tuple[object, dict]]) -> None:
             setattr(obj, key, before[key])
 
 
+def _logging_state() -> dict[str, tuple]:
+    """Each logger's handlers, level, propagation and whether it is disabled."""
+    loggers = {"": logging.getLogger()}
+    for name, logger in logging.Logger.manager.loggerDict.items():
+        if isinstance(logger, logging.Logger):
+            loggers[name] = logger
+    return {
+        name: (logger, list(logger.handlers), logger.level, logger.propagate, logger.disabled)
+        for name, logger in loggers.items()
+    }
+
+
+def _restore_logging(before: dict[str, tuple]) -> None:
+    """Loggers as they were before the job; those it made, as a new process makes them (a
+    trainer's handler on ``dcpkit`` must not send a later script's messages elsewhere)."""
+    for name, (logger, *_) in _logging_state().items():
+        handlers, level, propagate, disabled = before.get(name, (None, [], 0, True, False))[1:]
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
+        logger.disabled = disabled
+
+
 def _run(job: dict) -> int:
     kind, target, args = job["kind"], job["target"], job["args"]
     if kind == "train":
@@ -125,7 +149,7 @@ def run_job(job: dict) -> dict:
     with open(job["stdout"], "wb") as out, open(job["stderr"], "wb") as err:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
-    saved_names = _snapshot()
+    saved_names, saved_logging = _snapshot(), _logging_state()
     os._exit, real_exit = _os_exit, os._exit
     try:
         code = _run(job)
@@ -144,6 +168,7 @@ def run_job(job: dict) -> dict:
             if torch_dist.is_initialized():
                 torch_dist.destroy_process_group()
             _restore(saved_names)
+            _restore_logging(saved_logging)
         except Exception:
             traceback.print_exc()
         sys.stdout.flush()
