@@ -10,8 +10,19 @@ KIND_NAMES = {
     "pool_start": "starting the rank pool's workers (torch imported once each)",
     "process_start": "Python processes the tests start themselves: start and import",
     "processes": "those processes' own work (torchrun launches, the CLI, servers, builds)",
-    "sleep": "fixed sleeps in the test process",
+    "sleep": "`time.sleep` in the test process (polls for an event, waits for an expiry)",
     "in_process": "in the test process: compute, I/O, waiting on servers",
+}
+
+
+SHORT = {
+    "pool_train": "trainer runs (pool)",
+    "pool_script": "scripts (pool)",
+    "pool_start": "pool starts",
+    "process_start": "process starts",
+    "processes": "child processes",
+    "sleep": "sleeps",
+    "in_process": "in process",
 }
 
 
@@ -23,11 +34,12 @@ def test_profile(data: dict) -> str:
     total = sum(data["kinds_s"].values())
     lines = [
         para(
-            f"{data['tests']} tests in {_minutes(data['pytest_wall_s'])} of pytest on "
+            f"{data['tests']} tests in {_minutes(data['wall_s'])} of pytest on "
             f"{data['cores']} cores; the rank pool ran {data['pool']['jobs']} multi-rank jobs on "
             f"{data['pool']['worker_starts']} worker starts ({data['pool']['restarts']} of them "
             f"after a stopped job); the tests started {data['python_starts']} Python processes of "
             f"their own, each import of torch and dcpkit taking {data['import_s']:.1f} s."
+            + ("" if data["exit_status"] == 0 else f" (pytest exited {data['exit_status']}.)")
         ).rstrip("\n"),
         "",
         *head("where the time goes", "time", "share"),
@@ -39,6 +51,6 @@ def test_profile(data: dict) -> str:
         kind = max(entry["kinds"], key=entry["kinds"].get)
         lines.append(
             f"| `{name.removeprefix('tests/')}` | {entry['tests']} | {entry['seconds']:.0f} s | "
-            f"{entry['python_starts']} | {KIND_NAMES[kind].split(':')[0]} |"
+            f"{entry['python_starts']} | {SHORT[kind]} |"
         )
     return "\n".join(lines) + "\n"
