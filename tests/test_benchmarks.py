@@ -287,6 +287,20 @@ def test_no_table_shows_a_measured_figure_outside_a_generated_block():
     assert loose("| option | default |\n|---|---|\n| `interval` | 500 |\n") == []
 
 
+def test_no_shipped_config_comment_states_a_measured_figure():
+    """A config's comments say what it is for, never how long it takes: a time there is a
+    figure no results file backs (the shipped and the repository's configs alike)."""
+    duration = re.compile(r"\b(seconds?|minutes?|hours?|fast|quick)\b", re.I)
+    configs = [*(ROOT / "configs").glob("*.toml")]
+    configs += (ROOT / "src" / "dcpkit" / "train" / "configs").glob("*.toml")
+    assert len(configs) >= 6
+    for path in configs:
+        for line in path.read_text().splitlines():
+            comment = line.partition("#")[2]
+            assert not MEASURED.search(comment) and not duration.search(comment), (path, line)
+    assert duration.search("# 2 ranks, a few seconds per 10 steps")
+
+
 def test_a_generated_paragraph_never_wraps_into_a_list_or_a_table():
     """Generated sentences are wrapped for the page; a line may not begin with '+12%', '-3%',
     '* ', '| ' or '1.', which Markdown would render as a bullet, a table row or a list."""

@@ -100,6 +100,12 @@ class Trainer:
         self.layout = mesh_layout(cfg.parallelism, self.world)
         self.dp, self.tp = self.layout.dp, self.layout.tp
         self.dump = Path(cfg.job.dump_folder)
+        if self.dump.exists() and not self.dump.is_dir():  # every rank: they stop together
+            raise ConfigError(
+                f"[job] dump_folder {self.dump} is a file, not a folder: the run's folder holds "
+                "its metrics and its checkpoint folder (made when missing); give a folder, or "
+                "move the file away"
+            )
         if self.rank == 0:
             self.dump.mkdir(parents=True, exist_ok=True)
         if cfg.training.deterministic:

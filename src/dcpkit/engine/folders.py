@@ -1,0 +1,67 @@
+"""The folders a manager is given, checked before anything trains or is written: a file named as
+a folder, and a run's checkpoint folder (or one of its steps) given where the run's own folder
+was meant, which would otherwise start a fresh run beside published steps one level up."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from dcpkit.config import ConfigError
+from dcpkit.storage.opening import local_path
+
+_STEP = re.compile(r"^step-[0-9]+$")
+_STEP_FILES = (".metadata", "dcpkit.json")  # what makes a step-N folder a checkpoint
+
+
+def _steps_in(folder: Path) -> list[str]:
+    """The names of the checkpoint steps directly in ``folder`` (a missing folder has none)."""
+    try:
+        entries = list(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+    steps = [
+        p.name
+        for p in entries
+        if _STEP.match(p.name) and p.is_dir() and any((p / f).is_file() for f in _STEP_FILES)
+    ]
+    return sorted(steps, key=lambda name: int(name[5:]))
+
+
+def _named(steps: list[str]) -> str:
+    return ", ".join(steps[:3]) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
+
+
+def check_base_folder(base_folder: Any, folder: str, root: Any) -> None:
+    """Refuse, naming the path and the fix, a base folder (or checkpoint folder ``root``) that is
+    a file, and a base folder that is itself a run's checkpoint folder or lies inside one.
+    Local folders only: an object store has no files in the way of folders, and listing it
+    here would cost a request per start."""
+    base, root_path = local_path(base_folder), local_path(root)
+    if base is None or root_path is None:
+        return
+    for path, what in ((base, "base folder"), (root_path, "checkpoint folder")):
+        if path.exists() and not path.is_dir():
+            raise ConfigError(
+                f"{path}: the {what} is a file, not a folder. The base folder is the run's own "
+                f"folder, where `{folder}/` holds the checkpoints (made when missing); give a "
+                "folder, or move the file away"
+            )
+    if root_path.resolve() == base.resolve() or _steps_in(root_path):
+        return  # the checkpoints are in the folder given, or this run's folder has its own
+    steps = _steps_in(base)
+    if steps:
+        raise ConfigError(
+            f"{base} is itself a checkpoint folder (it holds {_named(steps)}), so this run would "
+            f"look for its checkpoints in {root_path} and start fresh. The folder to give is the "
+            f"run's own, which holds `{base.name}/`: did you mean {base.parent}?"
+        )
+    inside = _steps_in(base.parent)
+    if inside:
+        where = "is a step of" if base.name in inside else "lies inside"
+        raise ConfigError(
+            f"{base} {where} the checkpoint folder {base.parent} (it holds {_named(inside)}); "
+            f"the folder to give is the run's own, which holds `{base.parent.name}/`: did you "
+            f"mean {base.parent.parent}?"
+        )
