@@ -16,14 +16,9 @@ from dcpkit.units import parse_size
 
 
 def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    from dcpkit.launch import torchrun_command, torchrun_env
-    from dcpkit.train.config import load_config
-    from dcpkit.train.parallelize import mesh_layout
+    from dcpkit.launch import check_train_args, torchrun_command, torchrun_env
 
-    # A configuration error is said here, once, before any rank starts: each rank would say it
-    # again, and torchrun would follow with its report of every failed rank.
-    config = load_config(rest)
-    mesh_layout(config.parallelism, args.nproc_per_node)
+    check_train_args(args.nproc_per_node, rest)
     return subprocess.call(torchrun_command(args.nproc_per_node, rest), env=torchrun_env())
 
 

@@ -22,6 +22,15 @@ def torchrun_command(nproc: int, args: list[str], module: str = "dcpkit.train") 
     ]
 
 
+def check_train_args(nproc: int, args: list[str]) -> None:
+    """The trainer's options checked in the launcher, before any rank starts: a configuration
+    error is said once (a ``ConfigError``), not by every rank and then by torchrun's report."""
+    from dcpkit.train.config import load_config
+    from dcpkit.train.parallelize import mesh_layout
+
+    mesh_layout(load_config(args).parallelism, nproc)
+
+
 def torchrun_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a launch: one thread per rank unless the user set it (the same
     thread count keeps runs bitwise reproducible), unbuffered output, quiet torchrun."""

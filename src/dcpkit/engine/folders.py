@@ -4,12 +4,16 @@ was meant, which would otherwise start a fresh run beside published steps one le
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
 
-from dcpkit.config import ConfigError
+from dcpkit.config import CheckpointConfig, ConfigError
+from dcpkit.console import summary
 from dcpkit.storage.opening import local_path
+
+logger = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^step-[0-9]+$")
 _STEP_FILES = (".metadata", "dcpkit.json")  # what makes a step-N folder a checkpoint
@@ -31,6 +35,19 @@ def _steps_in(folder: Path) -> list[str]:
 
 def _named(steps: list[str]) -> str:
     return ", ".join(steps[:3]) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
+
+
+def check_folders(config: CheckpointConfig, base_folder: Any, root: Any) -> None:
+    """A manager's folders checked before anything trains (``check_base_folder``); with
+    checkpointing off, that it is off said once, with how to turn it on."""
+    if config.enable:
+        check_base_folder(base_folder, config.folder, root)
+    else:
+        summary(
+            logger,
+            "checkpoint: checkpointing is off, so this run saves and loads nothing; turn it on "
+            "with [checkpoint] enable = true (CheckpointConfig(enable=True) in a script)",
+        )
 
 
 def check_base_folder(base_folder: Any, folder: str, root: Any) -> None:

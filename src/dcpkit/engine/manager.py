@@ -22,7 +22,7 @@ from dcpkit import dist
 from dcpkit.config import CheckpointConfig
 from dcpkit.console import summary
 from dcpkit.engine import load as load_plan
-from dcpkit.engine.folders import check_base_folder
+from dcpkit.engine.folders import check_folders
 from dcpkit.engine.lease import check_free, check_lease, release_folder, take_lease
 from dcpkit.engine.memory_tier import MemoryTier
 from dcpkit.engine.policy import should_save
@@ -75,15 +75,9 @@ class CheckpointManager:
         self.loaded_step: int | None = None
         self._resumed_from: int | None = None  # a full load of this folder's step: see save()
         writes = config.enable and not config.load_only
+        check_folders(config, base_folder, self.folder)  # or say that checkpointing is off
         if config.enable:
-            check_base_folder(base_folder, config.folder, self.folder)
             load_plan.check_reachable(self.store)
-        else:
-            summary(
-                logger,
-                "checkpoint: checkpointing is off, so this run saves and loads nothing; turn it "
-                "on with [checkpoint] enable = true (CheckpointConfig(enable=True) in a script)",
-            )
         if writes:  # a folder in use by another live run: stop now, before anything is written
             check_free(self.store, config.lease_timeout_s, owner=self)
         self._lease: Any = None
