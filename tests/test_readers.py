@@ -308,11 +308,15 @@ def test_follow_exports_every_step_of_a_run_in_order_none_twice(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(f"step-{s}" for s in range(1, 11))
     assert sorted(p.name for p in (dump / "checkpoint").glob("step-*")) == ["step-10", "step-9"]
     assert not (dump / "checkpoint" / HOLDS).exists()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     first = AutoModelForCausalLM.from_pretrained(out / "step-1")
     last = AutoModelForCausalLM.from_pretrained(out / "step-10")
     assert not torch.equal(first.lm_head.weight, last.lm_head.weight)
+    text = "def main():\n    return 0\n"  # the run's own tokenizer, shipped with each export
+    for folder in (out / "step-10", tmp_path / "evaluated" / "step-10"):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        assert tokenizer.decode(tokenizer(text)["input_ids"]) == text, folder
     again = cli("to-hf", str(dump / "checkpoint"), str(out), "--follow", *DEBUG_MODEL)
     assert again.returncode == 0 and "0 step(s) exported" in again.stdout  # none twice
 
@@ -331,7 +335,8 @@ def _scenario(dump: Path, folder: str, mode: str, reader: bool, steps: int) -> d
         store = open_store(folder if "://" in folder else dump / folder)
         evaluation = subprocess.Popen(
             [sys.executable, str(ROOT / "examples" / "evaluation_job.py"), store.root,
-             str(dump / "exports"), "--latest", "--batches", "100"],
+             str(dump / "exports"), "--latest", "--batches", "100",
+             "--tokenizer", str(dump / "tokenizer.json")],
             env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             preexec_fn=_low_priority,
         )  # fmt: skip
@@ -370,6 +375,8 @@ def test_an_evaluation_job_beside_training_reads_every_step_it_takes(kind, tmp_p
     assert [r["step"] for r in reads] == sorted({r["step"] for r in reads})
     assert reads[-1]["step"] == steps  # the run's last step, read after the run finished
     assert all(torch.isfinite(torch.tensor(r["eval_loss"])) for r in reads)  # from_pretrained
+    if steps >= 40:  # held-out text of the run's own data: its loss falls as the run trains
+        assert reads[-1]["eval_loss"] < reads[0]["eval_loss"] - 0.2, reads
     store = open_store(folder if "://" in folder else tmp_path / "beside" / folder)
     assert store.published_steps() == [steps - 1, steps]
     assert store.list_names(HOLDS) == []

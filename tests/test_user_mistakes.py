@@ -88,3 +88,24 @@ def test_dcpkit_train_says_a_config_error_once_before_any_rank_starts(args, said
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("dcpkit train: error: ") and said in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1  # one paragraph: no rank started, no torchrun report
+
+
+def test_a_polling_loop_says_the_same_latest_once(tmp_path, capsys):
+    """`latest` asked again and again (an evaluation job's loop): said when it changes."""
+    import dcpkit
+
+    model = torch.nn.Linear(2, 2)
+    config = CheckpointConfig(enable=True, interval=1)
+    folder = tmp_path / "run" / "checkpoint"
+    with CheckpointManager(config, tmp_path / "run", model) as manager:
+        manager.save(1)
+        capsys.readouterr()
+        for _ in range(5):
+            with dcpkit.reading(folder, step="latest") as held:
+                assert held.name == "step-1"
+        manager.save(2)
+        for _ in range(3):
+            with dcpkit.reading(folder, step="latest") as held:
+                assert held.name == "step-2"
+    said = [x for x in capsys.readouterr().err.splitlines() if "`latest` of" in x]
+    assert [x.split(" is ")[1].split(",")[0] for x in said] == ["step-1", "step-2"], said

@@ -104,6 +104,9 @@ def open_reading(
     return _resolved(str(path_or_url), step, purpose, storage_options)
 
 
+_latest_said: dict[str, str] = {}  # by folder: the last `latest` said in this process
+
+
 def _resolved(
     folder: str, step: int | str, purpose: str, storage_options: dict[str, Any] | None
 ) -> Reading:
@@ -115,7 +118,10 @@ def _resolved(
         how = "held while read" if hold is not None else "not held"
         passed = [n for n in notes if "is corrupt" in n]
         over = f" ({'; '.join(passed)})" if passed else ""
-        summary(logger, f"checkpoint: `latest` of {store.root} is {held.name}, {how}{over}")
+        said = f"checkpoint: `latest` of {store.root} is {held.name}, {how}{over}"
+        if _latest_said.get(str(store.root)) != said:  # a polling loop says a change, once
+            _latest_said[str(store.root)] = said
+            summary(logger, said)
         return held
     if not (isinstance(step, int) or str(step).isdigit()):
         raise ValueError(f"a step is a number or `{LATEST}`, not {step!r}")

@@ -1,5 +1,6 @@
 """``dcpkit to-hf RUN OUT --follow``: export each step a run publishes, as it is published, one
-Hugging Face folder per step (``OUT/step-N``), until the run finishes. The steps not yet
+Hugging Face folder per step (``OUT/step-N``, with the run's tokenizer when its folder has
+one), until the run finishes. The steps not yet
 exported are held (see ``storage.follow``), so retention never deletes one first. A step whose
 folder is already in ``OUT`` (an earlier follow) is not exported again."""
 
@@ -14,8 +15,17 @@ from dcpkit.console import summary
 from dcpkit.convert.hf import ConversionResult, to_hf
 from dcpkit.readers import follow
 from dcpkit.storage import open_store
+from dcpkit.storage.opening import local_path
 
 logger = logging.getLogger(__name__)
+
+
+def run_tokenizer(checkpoint_folder: Any) -> str | None:
+    """The tokenizer.json of the run whose checkpoint folder this is (in the run's folder, as
+    the reference trainer writes it), or None: a local folder only."""
+    folder = local_path(checkpoint_folder)
+    found = folder.parent / "tokenizer.json" if folder is not None else None
+    return str(found) if found is not None and found.is_file() else None
 
 
 def to_hf_following(
@@ -38,11 +48,11 @@ def to_hf_following(
         if outputs.exists(held.name) and outputs.list_names(held.name):
             summary(logger, f"to-hf: {outputs.location(held.name)} exists: exported before")
             continue
+        options = dict(to_hf_options)
+        if options.get("tokenizer") is None:  # the run's own, as a Trainer's checkpoint has it
+            options["tokenizer"] = run_tokenizer(held.store.root)
         result = to_hf(
-            held.location,
-            outputs.location(held.name),
-            storage_options=storage_options,
-            **to_hf_options,
+            held.location, outputs.location(held.name), storage_options=storage_options, **options
         )
         result.notes += held.notes
         done[held.name] = result

@@ -65,18 +65,37 @@ def corpus_files(
                 f"({', '.join(sorted(_TEXT_SUFFIXES))})"
             )
         return files
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    candidates = sorted(
-        (p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts),
-        key=lambda p: p.relative_to(stdlib).as_posix(),
-    )
     files, total = [], 0
-    for path in candidates:
+    for path in _stdlib_sources():
         size = path.stat().st_size
         if total + size > max_bytes:
             break
         files.append(path)
         total += size
+    return files
+
+
+def _stdlib_sources() -> list[Path]:
+    """The standard library's ``.py`` files, sorted by relative path: the default corpus."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(
+        (p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts),
+        key=lambda p: p.relative_to(stdlib).as_posix(),
+    )
+
+
+def held_out_files(min_bytes: int = 200_000) -> list[Path]:
+    """Standard-library files the default corpus never holds (those after its
+    ``DEFAULT_CORPUS_BYTES``), at least ``min_bytes`` of them: text from the same source that
+    a run on the default corpus never trained on, to evaluate it."""
+    sources = _stdlib_sources()
+    start = len(corpus_files())
+    files, total = [], 0
+    for path in sources[start:]:
+        files.append(path)
+        total += path.stat().st_size
+        if total >= min_bytes:
+            break
     return files
 
 
