@@ -109,3 +109,21 @@ def test_a_polling_loop_says_the_same_latest_once(tmp_path, capsys):
                 assert held.name == "step-2"
     said = [x for x in capsys.readouterr().err.splitlines() if "`latest` of" in x]
     assert [x.split(" is ")[1].split(",")[0] for x in said] == ["step-1", "step-2"], said
+
+
+def test_a_used_folder_saved_into_without_a_load_is_refused_at_the_first_step(used_run):
+    """save() before load() on a folder with published steps: refused at the first call (step
+    1, whether or not it saves), not ``interval`` steps later; a load first resumes as ever,
+    and steps before the run's own (a seed checkpoint, step 0) are no obstacle."""
+    from dcpkit import CheckpointError
+
+    config = CheckpointConfig(enable=True, interval=5)
+    refused = pytest.raises(CheckpointError, match=r"up to step-2\) and this run saves step 1 ")
+    with CheckpointManager(config, used_run, torch.nn.Linear(2, 2)) as manager, refused:
+        manager.save(1)  # not a step the policy saves: refused all the same
+    assert sorted(p.name for p in (used_run / "checkpoint").glob("step-*")) == ["step-1", "step-2"]
+    with CheckpointManager(config, used_run, torch.nn.Linear(2, 2)) as manager:
+        assert manager.load() == 2
+        assert manager.save(5) and manager.save(6) is False
+    with CheckpointManager(config, used_run, torch.nn.Linear(2, 2)) as manager:
+        assert manager.save(10)  # after every published step: nothing to interleave with

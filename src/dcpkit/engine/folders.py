@@ -1,6 +1,7 @@
 """The folders a manager is given, checked before anything trains or is written: a file named as
-a folder, and a run's checkpoint folder (or one of its steps) given where the run's own folder
-was meant, which would otherwise start a fresh run beside published steps one level up."""
+a folder, a run's checkpoint folder (or one of its steps) given where the run's own folder was
+meant, which would otherwise start a fresh run beside published steps one level up, and a used
+folder saved into without a load, refused at the first step rather than at the first save."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dcpkit import dist
 from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.console import summary
+from dcpkit.engine.publish import StepInfo, retrying_alone, save_failure, transient
+from dcpkit.errors import CheckpointError
 from dcpkit.storage.opening import local_path
 
 logger = logging.getLogger(__name__)
@@ -82,3 +86,32 @@ def check_base_folder(base_folder: Any, folder: str, root: Any) -> None:
             f"the folder to give is the run's own, which holds `{base.parent.name}/`: did you "
             f"mean {base.parent.parent}?"
         )
+
+
+def check_unused(info: StepInfo) -> bool:
+    """Every rank, at a manager's first ``save()`` when no ``load()`` came before it (a collective):
+    refuse a checkpoint folder holding a published step at or after ``info.step``, which a run
+    that starts fresh there would interleave with (and `latest` would name the earlier run's
+    step), at the first step instead of at the first save ``interval`` steps later. A folder
+    that cannot be listed within ``storage_retry_s`` fails the save on every rank, as a save's
+    own listing does. Returns False: the check is made once."""
+    store, step, problem = info.store, info.step, None
+    if dist.rank() == 0:
+        try:
+            later = [s for s in retrying_alone(store.published_steps, info.retry_s) if s >= step]
+        except Exception as e:
+            tried = f"; retried for {info.retry_s:.0f}s ([checkpoint] storage_retry_s): giving up"
+            later, problem = [], save_failure(e, info, {}) + (tried if transient(e) else "")
+        if later:
+            problem = (
+                f"{store.root} holds published steps of an earlier run (up to step-{max(later)}) "
+                f"and this run saves step {step} without having loaded: it would start afresh "
+                f"beside them, and `latest` would be that run's step-{max(later)}. Call load() "
+                "before training to resume from it, use another checkpoint folder (with "
+                "[checkpoint] initial_load_path to start from a checkpoint of this one), or remove "
+                "the steps yourself if they are unwanted"
+            )
+    problem = dist.broadcast_object(problem)
+    if problem:
+        raise CheckpointError(problem)
+    return False

@@ -22,7 +22,7 @@ from dcpkit import dist
 from dcpkit.config import CheckpointConfig
 from dcpkit.console import summary
 from dcpkit.engine import load as load_plan
-from dcpkit.engine.folders import check_folders
+from dcpkit.engine.folders import check_folders, check_unused
 from dcpkit.engine.lease import check_free, check_lease, release_folder, take_lease
 from dcpkit.engine.memory_tier import MemoryTier
 from dcpkit.engine.policy import should_save
@@ -75,6 +75,7 @@ class CheckpointManager:
         self.loaded_step: int | None = None
         self._resumed_from: int | None = None  # a full load of this folder's step: see save()
         writes = config.enable and not config.load_only
+        self._check_use = writes  # a save before any load(): the folder must hold no later step
         check_folders(config, base_folder, self.folder)  # or say that checkpointing is off
         if config.enable:
             load_plan.check_reachable(self.store)
@@ -112,6 +113,7 @@ class CheckpointManager:
         when there is nothing to load and training starts fresh."""
         if not self.config.enable:
             return None
+        self._check_use = False
         plan = load_plan.plan_everywhere(self.config, self.store, self.states)
         plan.raise_if_failed()
         if self._memory is not None and self.config.load_step == -1:
@@ -147,13 +149,8 @@ class CheckpointManager:
         return read_held(path, step, self.config, "load", restore_it)
 
     @dist.paused_gc()
-    def _restore(
-        self,
-        store: Any,
-        name: str,
-        model_only: bool,
-        own_rank: bool = False,
-        **reader: Any,  # checksums, metadata, index, seen: see restore()
+    def _restore(  # reader: checksums, metadata, index, seen (see restore())
+        self, store: Any, name: str, model_only: bool, own_rank: bool = False, **reader: Any
     ) -> list[str]:
         return restore(
             store,
@@ -201,6 +198,7 @@ class CheckpointManager:
     @dist.paused_gc()
     def save(self, step: int, last_step: bool = False, force: bool = False) -> bool:
         """Save at ``step`` if the policy says so (or ``force``). Returns whether it saved."""
+        self._check_use = self._check_use and check_unused(self._step_info(step, False))
         if self._saver is None or not self.should_save(step, last_step, force):
             if self._memory is not None and self._memory.due(step):
                 state = self.collect()
