@@ -382,8 +382,10 @@ def test_an_evaluation_job_beside_training_reads_every_step_it_takes(kind, tmp_p
     assert store.list_names(HOLDS) == []
     # A reader never blocks a save: the stall is the save's own, whatever the reader holds.
     # (Its CPU and disk use on these 2 cores is measured in benchmarks/readers_beside.py.)
+    # (On SeaweedFS beside the suite's idle rank pool, 3.4x was seen once: the reader's own CPU
+    # on these 2 cores, not a wait; a save that waited for the reader would be ~100x.)
     slow = statistics.median(beside["stall"]) / statistics.median(alone["stall"])
-    assert slow < 3.0, (beside["stall"], alone["stall"])  # blocking would be ~100x
+    assert slow < 5.0, (beside["stall"], alone["stall"])  # blocking would be ~100x
 
 
 def test_a_follower_of_a_run_with_a_memory_tier_reads_durable_steps_and_says_so(tmp_path):

@@ -4,6 +4,8 @@ a folder, checkpointing left off, a configuration error under ``dcpkit train``."
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -66,10 +68,11 @@ def test_the_trainer_refuses_a_checkpoint_folder_before_its_first_step(stopped_r
     assert proc.returncode != 0 and "notes.txt" in proc.stderr and "is a file" in proc.stderr
 
 
-def test_checkpointing_off_is_said_once_at_start(tmp_path, capsys):
-    CheckpointManager(CheckpointConfig(), tmp_path, torch.nn.Linear(2, 2))
-    err = capsys.readouterr().err
-    assert err.count("checkpointing is off") == 1 and "enable = true" in err, err
+def test_checkpointing_off_is_said_once_at_start(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="dcpkit"):
+        CheckpointManager(CheckpointConfig(), tmp_path, torch.nn.Linear(2, 2))
+    said = [r.getMessage() for r in caplog.records if "checkpointing is off" in r.getMessage()]
+    assert len(said) == 1 and "enable = true" in said[0], said
     proc = run_train(1, tmp_path / "off", "--checkpoint.enable", "false", "--training.steps", "1")
     said = [x for x in proc.stdout.splitlines() if "checkpointing is off" in x]
     assert len(said) == 1 and "[checkpoint] enable = true" in said[0], proc.stdout
@@ -90,7 +93,7 @@ def test_dcpkit_train_says_a_config_error_once_before_any_rank_starts(args, said
     assert proc.stderr.count("\n") == 1  # one paragraph: no rank started, no torchrun report
 
 
-def test_a_polling_loop_says_the_same_latest_once(tmp_path, capsys):
+def test_a_polling_loop_says_the_same_latest_once(tmp_path, caplog):
     """`latest` asked again and again (an evaluation job's loop): said when it changes."""
     import dcpkit
 
@@ -99,7 +102,7 @@ def test_a_polling_loop_says_the_same_latest_once(tmp_path, capsys):
     folder = tmp_path / "run" / "checkpoint"
     with CheckpointManager(config, tmp_path / "run", model) as manager:
         manager.save(1)
-        capsys.readouterr()
+        caplog.set_level(logging.INFO, logger="dcpkit")
         for _ in range(5):
             with dcpkit.reading(folder, step="latest") as held:
                 assert held.name == "step-1"
@@ -107,7 +110,7 @@ def test_a_polling_loop_says_the_same_latest_once(tmp_path, capsys):
         for _ in range(3):
             with dcpkit.reading(folder, step="latest") as held:
                 assert held.name == "step-2"
-    said = [x for x in capsys.readouterr().err.splitlines() if "`latest` of" in x]
+    said = [r.getMessage() for r in caplog.records if "`latest` of" in r.getMessage()]
     assert [x.split(" is ")[1].split(",")[0] for x in said] == ["step-1", "step-2"], said
 
 
