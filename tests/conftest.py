@@ -20,6 +20,7 @@ import torch.distributed as torch_dist
 from dcpkit.cli import main as cli_main
 from dcpkit.launch import torchrun_command
 from dcpkit.train.metrics import read_run
+from ranks import exit_status
 
 pytest_plugins = ["profiling"]  # on only when DCPKIT_TEST_PROFILE names a results file
 
@@ -156,9 +157,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
         try:
             code = cli_main(list(args))
         except SystemExit as e:  # argparse: usage on stderr, status 2
-            if isinstance(e.code, str):
-                print(e.code, file=sys.stderr)
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            code = exit_status(e)
         except Exception:
             traceback.print_exc()
             code = 1

@@ -28,6 +28,7 @@ import torch  # noqa: F401  (imported once here, the cost the pool exists to pay
 import torch.distributed as torch_dist
 
 import dcpkit.train.trainer  # noqa: F401
+from ranks import exit_status
 
 
 class _ProcessExit(BaseException):
@@ -156,9 +157,7 @@ def run_job(job: dict) -> dict:
     except _ProcessExit as e:
         code = e.code
     except SystemExit as e:
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        code = exit_status(e)
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -29,6 +29,14 @@ MAX_RANKS = 4
 GRACE_S = 5.0  # after a rank failed, the others' time to fail too (and say why) before a stop
 
 
+def exit_status(e: SystemExit) -> int:
+    """The status a process ending with ``e`` reports (a string code is printed on stderr and
+    is status 1, as Python does): for code that runs a ``main`` in this process."""
+    if isinstance(e.code, str):
+        print(e.code, file=sys.stderr)
+    return e.code if isinstance(e.code, int) else int(e.code is not None)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -158,7 +166,7 @@ class RankPool:
                     "stderr": str(folder / f"{rank}.err"),
                 }
             )
-        codes = self._collect(workers, timeout, started)
+        codes = self._collect(workers, timeout)
         self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - started
         out = "".join((folder / f"{r}.out").read_text(errors="replace") for r in range(nproc))
         err = "".join((folder / f"{r}.err").read_text(errors="replace") for r in range(nproc))
@@ -172,7 +180,7 @@ class RankPool:
             proc.returncode = next(code for code in codes if code != 0)  # killed by a signal
         return proc
 
-    def _collect(self, workers: list[_Worker], timeout: float, started: float) -> list[int]:
+    def _collect(self, workers: list[_Worker], timeout: float) -> list[int]:
         codes: list[int | None] = [None] * len(workers)
         selector = selectors.DefaultSelector()
         for rank, worker in enumerate(workers):
