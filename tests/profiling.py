@@ -13,6 +13,10 @@ kind of cost, each measured where it is spent:
 - ``processes``: the rest of the time the test waited on those processes;
 - ``sleep``: ``time.sleep`` in the test's own thread;
 - ``in_process``: the remainder, the test's own compute and I/O in the pytest process.
+
+Beside the split, ``cpu_s`` is the CPU time the whole machine spent during the test (every
+process, from ``/proc/stat``) and ``idle_cores`` the cores it left idle on average: the room a
+second test running beside it would have.
 """
 
 from __future__ import annotations
@@ -94,6 +98,17 @@ def _install() -> None:
     subprocess.Popen.communicate = timed(real_communicate)
 
 
+def _machine_cpu_s() -> float:
+    """CPU seconds the machine has spent busy since boot (every core, every process)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return 0.0
+    ticks = [int(f) for f in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def _import_seconds() -> float:
     """A Python start that imports torch and dcpkit's trainer: the median of three."""
     times = []
@@ -125,9 +140,11 @@ class Profile:
     def pytest_runtest_protocol(self, item, nextitem):
         before_pool = self._pool_seconds()
         before = dict(_counters)
+        cpu_before = _machine_cpu_s()
         started = time.perf_counter()
         yield
         wall = time.perf_counter() - started
+        cpu = _machine_cpu_s() - cpu_before
         pool = self._pool_seconds()
         delta = {k: pool.get(k, 0.0) - before_pool.get(k, 0.0) for k in pool}
         waited = _counters["processes"] - before["processes"]
@@ -146,6 +163,7 @@ class Profile:
             "file": item.nodeid.split("::", 1)[0],
             "seconds": round(wall, 3),
             "python_starts": starts,
+            "cpu_s": round(cpu, 2),
             "kinds": {k: round(v, 3) for k, v in kinds.items()},
         }
 
@@ -158,12 +176,14 @@ class Profile:
                     "tests": 0,
                     "seconds": 0.0,
                     "python_starts": 0,
+                    "cpu_s": 0.0,
                     "kinds": dict.fromkeys(KINDS, 0.0),
                 },
             )
             entry["tests"] += 1
             entry["seconds"] += test["seconds"]
             entry["python_starts"] += test["python_starts"]
+            entry["cpu_s"] += test["cpu_s"]
             for kind, value in test["kinds"].items():
                 entry["kinds"][kind] += value
         totals = dict.fromkeys(KINDS, 0.0)
@@ -172,6 +192,9 @@ class Profile:
                 totals[kind] += entry["kinds"][kind]
         conftest = sys.modules.get("conftest")
         pool = getattr(conftest, "_pool", None)
+        cores = os.cpu_count() or 1
+        tests_s = sum(t["seconds"] for t in self.tests.values())
+        cpu_s = sum(t["cpu_s"] for t in self.tests.values())
         data = {
             "command": " ".join(["pytest", *sys.argv[1:]]),
             "cores": os.cpu_count(),
@@ -186,10 +209,16 @@ class Profile:
                 "restarts": pool.restarts if pool else 0,
             },
             "kinds_s": {k: round(v, 1) for k, v in totals.items()},
+            "cpu_s": round(cpu_s, 1),
+            "idle_cores": round(cores - cpu_s / tests_s, 2) if tests_s else 0.0,
             "files": {
                 name: {
                     **e,
                     "seconds": round(e["seconds"], 1),
+                    "cpu_s": round(e["cpu_s"], 1),
+                    "idle_cores": round(cores - e["cpu_s"] / e["seconds"], 2)
+                    if e["seconds"]
+                    else 0.0,
                     "kinds": {k: round(v, 1) for k, v in e["kinds"].items()},
                 }
                 for name, e in sorted(files.items(), key=lambda kv: -kv[1]["seconds"])
