@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
-from conftest import CONFIG, copy_checkpoint, torchrun_env
+from conftest import CONFIG, copy_checkpoint, rank_pool, torchrun_env
 
 
-def _train(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dcpkit.train", "--job.config_file", str(CONFIG), *args],
-        env=torchrun_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd,
-    )
+def _trainer(*args: str) -> subprocess.CompletedProcess:
+    """``python -m dcpkit.train ARGS`` on one rank (of the rank pool: a bad setting stops the
+    trainer before its process group, as it would in a process of its own)."""
+    return rank_pool().run(1, "train", "", list(args), torchrun_env(), 300)
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    return _trainer("--job.config_file", str(CONFIG), *args)
 
 
 @pytest.mark.parametrize(
@@ -65,13 +63,7 @@ def test_missing_load_step(tmp_path, stopped_run):
 def test_bad_toml_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[checkpoint]\ninterval = \n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "dcpkit.train", "--job.config_file", str(bad)],
-        env=torchrun_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _trainer("--job.config_file", str(bad))
     assert proc.returncode != 0 and "is not valid TOML" in proc.stderr
 
 
