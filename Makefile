@@ -3,6 +3,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SITE   := site
+# pytest processes side by side (xdist); a test marked `alone` runs with none beside it
+TEST_WORKERS ?= 2
+PYTEST_ARGS  := -q --durations=40 -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: demo test test-profile docs chromium lint fuzz venv clean report-check wheel-check
 
@@ -20,12 +23,12 @@ demo: $(STAMP)
 test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d $(SITE)
-	$(PY) -m pytest -q --durations=40
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The suite run once with its profile: where the time goes, per test file and per kind of cost,
 # written to benchmarks/results/test_profile.json (docs/contributing.md shows its totals).
 test-profile: $(STAMP) chromium
-	$(PY) benchmarks/test_profile.py --durations=40
+	$(PY) benchmarks/test_profile.py $(PYTEST_ARGS)
 
 # The docs site, built in strict mode: a broken link, a missing page or a bad docstring fails it.
 # First the benchmark figures the pages show are written from their results files.

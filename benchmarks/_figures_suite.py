@@ -30,12 +30,25 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
+def _side_by_side(data: dict) -> str:
+    """How many tests ran at a time, and what they kept busy."""
+    processes = data.get("test_processes", 1)
+    each = "one test at a time" if processes == 1 else f"{processes} tests at a time"
+    if "cores_used" not in data:
+        return each
+    return (
+        f"{each} ({_minutes(data['tests_s'])} of test time in all, keeping "
+        f"{data['cores_used']:.2f} cores busy on average)"
+    )
+
+
 def test_profile(data: dict) -> str:
     total = sum(data["kinds_s"].values())
     lines = [
         para(
             f"{data['tests']} tests in {_minutes(data['wall_s'])} of pytest on "
-            f"{data['cores']} cores; the rank pool ran {data['pool']['jobs']} multi-rank jobs on "
+            f"{data['cores']} cores, {_side_by_side(data)}; the rank pools ran "
+            f"{data['pool']['jobs']} multi-rank jobs on "
             f"{data['pool']['worker_starts']} worker starts ({data['pool']['restarts']} of them "
             f"after a stopped job); the tests started {data['python_starts']} Python processes of "
             f"their own, each import of torch and dcpkit taking {data['import_s']:.1f} s."
@@ -46,11 +59,14 @@ def test_profile(data: dict) -> str:
     ]
     for kind, seconds in sorted(data["kinds_s"].items(), key=lambda kv: -kv[1]):
         lines.append(f"| {KIND_NAMES[kind]} | {_minutes(seconds)} | {seconds / total:.0%} |")
-    lines += ["", *head("test file", "tests", "time", "Python starts", "most of it")]
+    cores = "cores busy" if "cores_used" in data else None
+    columns = ["test file", "tests", "time", "Python starts", *([cores] if cores else [])]
+    lines += ["", *head(*columns, "most of it")]
     for name, entry in list(data["files"].items())[:15]:
         kind = max(entry["kinds"], key=entry["kinds"].get)
+        busy = f" {entry['cores_used']:.2f} |" if cores else ""
         lines.append(
             f"| `{name.removeprefix('tests/')}` | {entry['tests']} | {entry['seconds']:.0f} s | "
-            f"{entry['python_starts']} | {SHORT[kind]} |"
+            f"{entry['python_starts']} |{busy} {SHORT[kind]} |"
         )
     return "\n".join(lines) + "\n"

@@ -22,7 +22,8 @@ from dcpkit.launch import torchrun_command
 from dcpkit.train.metrics import read_run
 from ranks import exit_status
 
-pytest_plugins = ["profiling"]  # on only when DCPKIT_TEST_PROFILE names a results file
+# profiling: on only when DCPKIT_TEST_PROFILE names a results file; turns: who runs alone under -n
+pytest_plugins = ["profiling", "turns"]
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "llama3_debugmodel.toml"

@@ -14,9 +14,12 @@ kind of cost, each measured where it is spent:
 - ``sleep``: ``time.sleep`` in the test's own thread;
 - ``in_process``: the remainder, the test's own compute and I/O in the pytest process.
 
-Beside the split, ``cpu_s`` is the CPU time the whole machine spent during the test (every
-process, from ``/proc/stat``) and ``idle_cores`` the cores it left idle on average: the room a
-second test running beside it would have.
+Beside the split, ``cpu_s`` is the CPU time the test's own processes spent (the pytest process,
+the processes it started and waited for, the rank pool's workers), and ``cores_used`` that over
+its wall time: the cores it kept busy on average.
+
+Under ``pytest -n`` (xdist) each worker measures the tests it runs and sends the figures with the
+test's last report; the process that collects the reports writes the results file.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 import pytest
 
 ENV = "DCPKIT_TEST_PROFILE"
+IMPORT_ENV = "DCPKIT_TEST_IMPORT_S"  # measured once, by the process that collects
 KINDS = (
     "pool_start",
     "pool_train",
@@ -98,15 +102,26 @@ def _install() -> None:
     subprocess.Popen.communicate = timed(real_communicate)
 
 
-def _machine_cpu_s() -> float:
-    """CPU seconds the machine has spent busy since boot (every core, every process)."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return 0.0
-    ticks = [int(f) for f in fields]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds spent so far by this process, its waited-for children (and theirs: torchrun's
+    ranks), and the processes ``pids`` with their waited-for children (the rank pool's workers)."""
+    own = os.times()
+    total = own.user + own.system + own.children_user + own.children_system
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(f) for f in fields[11:15]) / tick  # utime stime cutime cstime
+    return total
+
+
+def _pool_pids() -> list[int]:
+    pool = getattr(sys.modules.get("conftest"), "_pool", None)
+    if pool is None:
+        return []
+    return [w.proc.pid for w in pool.workers if w is not None and w.proc.poll() is None]
 
 
 def _import_seconds() -> float:
@@ -123,30 +138,41 @@ def _import_seconds() -> float:
     return statistics.median(times)
 
 
-class Profile:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.tests: dict[str, dict] = {}
-        self.started = time.perf_counter()
-        _install()
-        self.import_s = _import_seconds()
+class Measure:
+    """Measures each test in the process that runs it; the figures ride on its teardown report."""
 
-    def _pool_seconds(self) -> dict[str, float]:
-        conftest = sys.modules.get("conftest")
-        pool = getattr(conftest, "_pool", None)
+    def __init__(self, import_s: float) -> None:
+        self.import_s = import_s
+        self.started: dict[str, tuple] = {}
+        _install()
+
+    @staticmethod
+    def _pool_seconds() -> dict[str, float]:
+        pool = getattr(sys.modules.get("conftest"), "_pool", None)
         return dict(pool.seconds) if pool is not None else {}
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
-        before_pool = self._pool_seconds()
-        before = dict(_counters)
-        cpu_before = _machine_cpu_s()
-        started = time.perf_counter()
+        self.started[item.nodeid] = (
+            self._pool_seconds(),
+            dict(_counters),
+            _cpu_s(_pool_pids()),
+            time.perf_counter(),
+        )
         yield
+        self.started.pop(item.nodeid, None)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        if call.when != "teardown" or item.nodeid not in self.started:
+            return
+        before_pool, before, cpu_before, started = self.started[item.nodeid]
         wall = time.perf_counter() - started
-        cpu = _machine_cpu_s() - cpu_before
-        pool = self._pool_seconds()
-        delta = {k: pool.get(k, 0.0) - before_pool.get(k, 0.0) for k in pool}
+        cpu = _cpu_s(_pool_pids()) - cpu_before
+        pool_now = self._pool_seconds()
+        delta = {k: pool_now.get(k, 0.0) - before_pool.get(k, 0.0) for k in pool_now}
         waited = _counters["processes"] - before["processes"]
         starts = _counters["starts"] - before["starts"]
         start_s = min(waited, starts * self.import_s)
@@ -159,13 +185,40 @@ class Profile:
             "sleep": _counters["sleep"] - before["sleep"],
         }
         kinds["in_process"] = max(0.0, wall - sum(kinds.values()))
-        self.tests[item.nodeid] = {
+        pool = getattr(sys.modules.get("conftest"), "_pool", None)
+        entry = {
             "file": item.nodeid.split("::", 1)[0],
             "seconds": round(wall, 3),
             "python_starts": starts,
             "cpu_s": round(cpu, 2),
             "kinds": {k: round(v, 3) for k, v in kinds.items()},
+            "pool": {
+                "process": os.getpid(),
+                "jobs": pool.jobs if pool else 0,
+                "worker_starts": pool.starts if pool else 0,
+                "restarts": pool.restarts if pool else 0,
+            },
         }
+        report.user_properties.append(("dcpkit_profile", entry))
+
+
+class Collect:
+    """Gathers the tests' figures from their reports and writes the results file."""
+
+    def __init__(self, path: Path, import_s: float) -> None:
+        self.path = path
+        self.import_s = import_s
+        self.tests: dict[str, dict] = {}
+        self.pools: dict[int, dict] = {}
+        self.started = time.perf_counter()
+
+    def pytest_runtest_logreport(self, report):
+        for name, entry in getattr(report, "user_properties", ()):
+            if name == "dcpkit_profile":
+                entry = dict(entry)
+                pool = entry.pop("pool")
+                self.pools[pool["process"]] = pool
+                self.tests[report.nodeid] = entry
 
     def pytest_sessionfinish(self, session, exitstatus):
         files: dict[str, dict] = {}
@@ -190,35 +243,32 @@ class Profile:
         for entry in files.values():
             for kind in KINDS:
                 totals[kind] += entry["kinds"][kind]
-        conftest = sys.modules.get("conftest")
-        pool = getattr(conftest, "_pool", None)
-        cores = os.cpu_count() or 1
         tests_s = sum(t["seconds"] for t in self.tests.values())
         cpu_s = sum(t["cpu_s"] for t in self.tests.values())
+        numprocesses = getattr(session.config.option, "numprocesses", None) or 0
         data = {
             "command": " ".join(["pytest", *sys.argv[1:]]),
             "cores": os.cpu_count(),
+            "test_processes": max(1, len(self.pools)) if numprocesses else 1,
             "exit_status": int(exitstatus),
             "wall_s": round(time.perf_counter() - self.started, 1),
             "tests": len(self.tests),
+            "tests_s": round(tests_s, 1),
             "import_s": round(self.import_s, 3),
             "python_starts": sum(t["python_starts"] for t in self.tests.values()),
             "pool": {
-                "jobs": pool.jobs if pool else 0,
-                "worker_starts": pool.starts if pool else 0,
-                "restarts": pool.restarts if pool else 0,
+                key: sum(p[key] for p in self.pools.values())
+                for key in ("jobs", "worker_starts", "restarts")
             },
             "kinds_s": {k: round(v, 1) for k, v in totals.items()},
             "cpu_s": round(cpu_s, 1),
-            "idle_cores": round(cores - cpu_s / tests_s, 2) if tests_s else 0.0,
+            "cores_used": round(cpu_s / tests_s, 2) if tests_s else 0.0,
             "files": {
                 name: {
                     **e,
                     "seconds": round(e["seconds"], 1),
                     "cpu_s": round(e["cpu_s"], 1),
-                    "idle_cores": round(cores - e["cpu_s"] / e["seconds"], 2)
-                    if e["seconds"]
-                    else 0.0,
+                    "cores_used": round(e["cpu_s"] / e["seconds"], 2) if e["seconds"] else 0.0,
                     "kinds": {k: round(v, 1) for k, v in e["kinds"].items()},
                 }
                 for name, e in sorted(files.items(), key=lambda kv: -kv[1]["seconds"])
@@ -234,6 +284,12 @@ class Profile:
 
 def pytest_configure(config) -> None:
     path = os.environ.get(ENV)
-    if path and not hasattr(config, "_dcpkit_profile"):
-        config._dcpkit_profile = Profile(Path(path))
-        config.pluginmanager.register(config._dcpkit_profile, "dcpkit-profile")
+    if not path or hasattr(config, "_dcpkit_profile"):
+        return
+    worker = hasattr(config, "workerinput")  # an xdist worker: it measures, its controller collects
+    if not worker:
+        os.environ[IMPORT_ENV] = str(_import_seconds())  # the workers it starts read it
+        config._dcpkit_collect = Collect(Path(path), float(os.environ[IMPORT_ENV]))
+        config.pluginmanager.register(config._dcpkit_collect, "dcpkit-profile-collect")
+    config._dcpkit_profile = Measure(float(os.environ.get(IMPORT_ENV) or _import_seconds()))
+    config.pluginmanager.register(config._dcpkit_profile, "dcpkit-profile")

@@ -74,6 +74,7 @@ def test_moe_convert_benchmark_small(tmp_path):
         assert results[name]["rss_above_baseline_bytes"] < data["rss_bound_bytes"], name
 
 
+@pytest.mark.alone
 def test_train_cost_benchmark_small(tmp_path):
     out = tmp_path / "cost.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "train_cost.py"), "--steps", "6"]
@@ -184,6 +185,7 @@ def test_recovery_benchmark_small(tmp_path):
     assert "S3" not in table and "A memory-tier save blocked" in table
 
 
+@pytest.mark.alone
 def test_host_memory_benchmark_small(tmp_path):
     # Writes right after a deletion and after the host took the freed memory back, each timed;
     # where the machine reports free pages to a host, how much it took is measured too.

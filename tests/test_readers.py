@@ -185,6 +185,7 @@ def test_a_second_reader_of_a_held_step_is_never_turned_away(tmp_path):
     assert not store.is_published("step-1") and store.list_names(HOLDS) == []
 
 
+@pytest.mark.alone
 def test_a_killed_reader_stops_holding_after_its_stated_expiry(tmp_path, caplog):
     folder = tmp_path / "checkpoint"
     reader = (
@@ -353,6 +354,7 @@ def _scenario(dump: Path, folder: str, mode: str, reader: bool, steps: int) -> d
     return {"loss": loss, "stall": stalls, "reads": lines, "seconds": took, "log": log}
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("kind", ["local", "seaweedfs"])
 def test_an_evaluation_job_beside_training_reads_every_step_it_takes(kind, tmp_path, request):
     if kind == "local":  # 40 steps; on SeaweedFS 20 (each save uploads 73 MB on these 2 cores)

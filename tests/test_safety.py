@@ -200,6 +200,7 @@ def test_metadata_whose_chunks_overlap_or_leave_a_gap(tmp_path):
             _load(tmp_path / case, verify_on_load=True)
 
 
+@pytest.mark.alone
 def test_chunk_checks_stay_linear_and_bounded():
     """Chunks are checked with a sweep line: 4x the row shards (2048 -> 8192), or 4x the rows of
     a grid of 8 columns, take about 4x the time, where comparing every pair took 16x (and 4.2 s

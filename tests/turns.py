@@ -1,0 +1,54 @@
+"""Tests side by side under ``pytest -n`` (xdist), and the ones that must run alone.
+
+``make test`` runs the suite in two pytest workers: while one waits on a server, a subprocess or
+a fixed interval of the code under test, the other uses the cores. Most tests do not mind a
+neighbour. A test that measures time or the host (a stall beside a baseline, an expiry in
+seconds, a host's free memory) is marked ``@pytest.mark.alone``: it starts once the tests
+running beside it have ended, and no other test starts until it has ended.
+
+The workers agree through two lock files of the run (``flock``): every test holds ``RUN``
+shared, an ``alone`` test holds it alone. ``GATE`` is taken, briefly, before ``RUN``: a test
+waiting to run alone holds it, so that no new test slips in before it (it would wait forever
+behind a stream of them). Without xdist, nothing is locked.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_files: tuple | None = None
+
+
+def _locks():
+    global _files
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not uid:
+        return None
+    if _files is None:
+        base = Path(tempfile.gettempdir()) / f"dcpkit-suite-{uid}"
+        _files = (open(f"{base}.gate", "a+"), open(f"{base}.run", "a+"))  # noqa: SIM115
+    return _files
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    locks = _locks()
+    if locks is None:
+        yield
+        return
+    gate, run = locks
+    alone = item.get_closest_marker("alone") is not None
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    finally:
+        fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(run, fcntl.LOCK_UN)
