@@ -38,7 +38,7 @@ from _figures_scale import (
     planning_restart,
 )
 from _figures_suite import test_profile
-from _format import GIB, MIB, head, span, times
+from _format import GIB, MIB, head, para, span, times
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- figures: (\w+) -->\n)(.*?)(<!-- /figures -->)", re.S)
@@ -54,7 +54,17 @@ class Source:
 def trainer_stall(data: dict) -> str:
     names = {"trainer": "the `Trainer`'s own save"}
     saves = len(next(iter(data["results"].values()))["stalls_s"])
-    lines = head(
+    opts, ours = data["options"], data["results"]["disabled"]
+    written = opts["steps"] // opts["every"]  # the run's folder keeps every save
+    lines = [
+        para(
+            f"The model: {ours['params'] / 1e6:.0f} M parameters, a checkpoint of "
+            f"{ours['bytes_on_disk'] / written / GIB:.2f} GiB with AdamW's state; "
+            f"{opts['steps']} steps, a save every {opts['every']}."
+        ).rstrip("\n"),
+        "",
+    ]
+    lines += head(
         "save", f"stall per save (median of {saves})", "a step without a save", "the whole run"
     )
     for mode, r in data["results"].items():

@@ -289,6 +289,67 @@ def test_no_table_shows_a_measured_figure_outside_a_generated_block():
     assert loose("| option | default |\n|---|---|\n| `interval` | 500 |\n") == []
 
 
+# A figure a sentence measured: a decimal time or size, a speed, a ratio, a relative cost, or an
+# approximate one ("about 128 MiB"). Settings and limits (a 256 MiB budget, a 60 s expiry) are
+# whole numbers and stay.
+MEASURED_PROSE = re.compile(
+    r"(?<![\w.])\d+\.\d+\s?(?:s|ms|us|µs|TiB|GiB|MiB|KiB|GB|MB)(?![\w/])"
+    r"|(?<![\w.])\d+(?:\.\d+)?\s?(?:GiB|MiB|GB|MB)/s\b"
+    r"|(?<![\w.])\d+(?:\.\d+)?x(?!\w)"
+    r"|(?<![\w.])[+-]\d+(?:\.\d+)?%"
+    r"|(?:~|\babout |\baround )\d+(?:\.\d+)?\s?(?:s|ms|us|TiB|GiB|MiB|KiB|GB|MB)\b"
+)
+
+
+def _prose(text: str) -> list[str]:
+    """The lines of a Markdown page a reader takes as sentences: not a table row, not code
+    (fenced, indented, or inline, which may run over a line's end)."""
+    kept, fenced, previous = [], False, ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and not line.startswith("|"):
+            indented = line.startswith("    ") and (previous == "" or previous.startswith("    "))
+            if not indented:
+                kept.append(line)
+        previous = line if not fenced else previous
+    return re.sub(r"`[^`]*`", "``", "\n".join(kept)).splitlines()
+
+
+def test_no_page_states_a_measured_figure_outside_a_generated_block():
+    """A sentence of README.md or docs/*.md that gives a measured figure (a time or size with
+    decimals, a speed, a ratio, a relative cost, an approximate amount) is inside a figures
+    block, so it comes from a results file; the check itself catches such a sentence."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import figures
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def loose(text: str) -> list[str]:
+        return [line for line in _prose(figures.BLOCK.sub("", text)) if MEASURED_PROSE.search(line)]
+
+    found = {page.name: loose(page.read_text()) for page in figures.pages()}
+    assert {name: lines for name, lines in found.items() if lines} == {}
+    for sentence in (
+        "A plain load is 0.50 s of CPU.",
+        "Uploads ran at 0.21 GiB/s both ways.",
+        "the host takes about 128 MiB every 2 s",
+        "reading 1.00x of the stored bytes",
+        "+12% over a plain read",
+        "(a checkpoint of 0.84 GiB with AdamW's state)",
+    ):
+        assert loose(sentence + "\n") == [sentence], sentence
+    for sentence in (
+        "retried for `storage_retry_s` (default 120 s)",
+        "a block of at most 256 MiB",
+        "`checkpoint: saved step 500 in 0.41s`",
+        "```\nsaved 1.23 GiB in 0.5 s\n```",
+        "\n    checkpoint: read 71.8 MiB from storage (1.00x)",
+    ):
+        assert loose(sentence + "\n") == [], sentence
+
+
 def test_no_shipped_config_comment_states_a_measured_figure():
     """A config's comments say what it is for, never how long it takes: a time there is a
     figure no results file backs (the shipped and the repository's configs alike)."""
