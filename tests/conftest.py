@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import json
@@ -146,6 +147,31 @@ def run_script(
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+class Beside:
+    """A pool job (``run_train``, ``run_ranks``, ``run_script``) run in a thread of the test's
+    process while the test acts beside it (starts a reader, cuts a server), as a ``torchrun``
+    started with ``Popen`` would be, without torchrun's Python starts. As a context it is waited
+    for when the block ends, failed or not: the pool's next job needs its ranks."""
+
+    def __init__(self, run, *args, **kwargs) -> None:
+        self._threads = concurrent.futures.ThreadPoolExecutor(1)
+        self._job = self._threads.submit(run, *args, **kwargs)
+
+    def done(self) -> bool:
+        return self._job.done()
+
+    def result(self, timeout: float = 600) -> subprocess.CompletedProcess:
+        """The job's process, once it has ended (what ``run`` raised, if it raised)."""
+        return self._job.result(timeout=timeout)
+
+    def __enter__(self) -> Beside:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        concurrent.futures.wait([self._job], timeout=600)
+        self._threads.shutdown(wait=False)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -251,7 +251,7 @@ def test_a_rewrite_of_last_ckpt_killed_at_any_step_leaves_a_checkpoint_there(tmp
     if point != "mid_publish":
         return
     # the next rewrites go on from what the kill left, and leave nothing beside last.ckpt
-    run = subprocess.run([sys.executable, str(script), str(tmp_path), how], env=torchrun_env())
+    run = run_python(script, str(tmp_path), how)
     assert run.returncode == 0 and DcpCheckpointIO().load_checkpoint(last)["global_step"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # nothing left beside
     listed = cli("list", str(tmp_path))  # Lightning's names, listed and verified
@@ -303,9 +303,7 @@ def test_lightning_fsdp2_with_async_checkpoint_io_is_refused_before_training():
     """What the Frameworks page once said to do for async saves under FSDP2 is refused when
     the strategy is set up, before the first step, naming the reason and what works."""
     script = ROOT / "tests" / "scripts" / "lightning_async_fsdp.py"
-    proc = subprocess.run(
-        [sys.executable, str(script)], env=torchrun_env(), capture_output=True, text=True
-    )
+    proc = run_python(script)
     assert "REFUSED after 0 steps" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "cannot save through AsyncCheckpointIO" in proc.stdout
     assert "plugins=[DcpCheckpointIO(...)] alone" in proc.stdout

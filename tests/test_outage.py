@@ -10,11 +10,12 @@ import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import BUCKET, use_endpoint
+from conftest import BUCKET, Beside, run_script, use_endpoint
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager
 from dcpkit.storage import open_store
 
@@ -163,58 +164,35 @@ def test_a_store_that_comes_back_lets_the_save_complete(proxy, managers):
 # --- a load that loses its store, on 2 ranks ----------------------------------------------------
 
 
-def _torchrun(script_args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    import sys
-
-    from conftest import ROOT, torchrun_env
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(ROOT / "tests" / "scripts" / "load_outage.py"), *script_args]
-    return subprocess.Popen(
-        cmd, env=torchrun_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+def _ranks(*script_args: str) -> subprocess.CompletedProcess:
+    return run_script(2, "load_outage.py", *script_args, timeout=300)
 
 
-def _lines(proc: subprocess.Popen, seen: list[str]) -> threading.Thread:
-    def read() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            seen.append(line.rstrip("\n"))
-
-    t = threading.Thread(target=read, daemon=True)
-    t.start()
-    return t
+def _wait_for(paths: list, job: Beside, timeout: float = 120) -> None:
+    """Until every file of ``paths`` exists (a rank got there), or the job ended without."""
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert not job.done(), job.result()
+        assert time.monotonic() < deadline, f"none of {paths} within {timeout}s"
+        time.sleep(0.005)
 
 
 def _load_run(folder, endpoint, retry_s, tmp_path, cut=None, back=None):  # type: ignore[no-untyped-def]
     """One 2-rank load; ``cut(proxy)`` is called once the load has started (rank 0's marker),
     ``back`` (seconds after the cut) brings the store back. Returns the ranks' result lines."""
     marker = tmp_path / f"started-{uuid.uuid4().hex}"
-    seen: list[str] = []
-    proc = _torchrun([folder, endpoint, "load", str(retry_s), str(marker)], {})
-    reader = _lines(proc, seen)
-    try:
+    with Beside(_ranks, folder, endpoint, "load", str(retry_s), str(marker)) as job:
         if cut is not None:
-            deadline = time.monotonic() + 120
-            while not marker.exists() and time.monotonic() < deadline:
-                time.sleep(0.005)
+            _wait_for([marker], job)
             cut()
             if back is not None:
                 time.sleep(back)
                 cut.proxy.up()
-        deadline = time.monotonic() + retry_s + 90
-        while time.monotonic() < deadline:
-            done = [x for x in seen if x.startswith(("FAILED", "STATE"))]
-            if len(done) == 2:
-                break
-            time.sleep(0.1)
-        cut.proxy.up() if cut is not None else None
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        reader.join(timeout=10)
-    assert proc.returncode == 0, "\n".join(seen[-60:])
-    return sorted(x for x in seen if x.startswith(("FAILED", "STATE")))
+            # each rank's result, then the store back for the ranks' close (its lease)
+            _wait_for([Path(f"{marker}.{r}") for r in (0, 1)], job, retry_s + 90)
+            cut.proxy.up()
+        proc = job.result()
+    return sorted(x for x in proc.stdout.splitlines() if x.startswith(("FAILED", "STATE")))
 
 
 class _Cut:
@@ -245,10 +223,8 @@ def test_a_load_that_loses_its_store_fails_on_every_rank_together(weed_proxy, tm
     time lets the load complete bit for bit."""
     endpoint = f"http://127.0.0.1:{weed_proxy.port}"
     folder = f"s3://{BUCKET}/load-outage-{uuid.uuid4().hex}/checkpoint"
-    saved = _torchrun([folder, endpoint, "save"], {})
-    out, _ = saved.communicate(timeout=300)
-    assert saved.returncode == 0, out[-4000:]
-    states = sorted(x for x in out.splitlines() if x.startswith("STATE"))
+    saved = _ranks(folder, endpoint, "save")
+    states = sorted(x for x in saved.stdout.splitlines() if x.startswith("STATE"))
     clean = _load_run(folder, endpoint, 60, tmp_path)
     assert [x.split()[:4] for x in clean] == [x.split()[:4] for x in states], (clean, states)
     took = max(float(x.split()[4]) for x in clean)

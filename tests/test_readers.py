@@ -21,7 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BUCKET, CONFIG, ROOT, cli, read_metrics, torchrun_env, use_endpoint
+from conftest import (
+    BUCKET,
+    CONFIG,
+    ROOT,
+    Beside,
+    cli,
+    read_metrics,
+    run_train,
+    torchrun_env,
+    use_endpoint,
+)
 from dcpkit import CheckpointConfig, CheckpointManager
 from dcpkit.launch import torchrun_command
 from dcpkit.readers import open_reading
@@ -294,11 +304,11 @@ def test_follow_exports_every_step_of_a_run_in_order_none_twice(tmp_path):
     )  # fmt: skip
     for name, proc in (("follower", follower), ("evaluation", evaluation)):
         _wait_for_line(tmp_path / f"{name}.err", "waiting for a run to save into", proc)
-    train = _start_train(
-        dump, "--training.steps", "10", "--checkpoint.interval", "1",
+    with Beside(
+        run_train, 2, dump, "--training.steps", "10", "--checkpoint.interval", "1",
         "--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only", "false",
-    )  # fmt: skip
-    _finish(train, "training")
+    ) as train:  # fmt: skip
+        train.result()
     printed = _finish(follower, "to-hf --follow", 300, tmp_path / "follower.err")
     evaluated = _finish(evaluation, "the evaluation example", 300, tmp_path / "evaluation.err")
     reads = [json.loads(x) for x in evaluated.splitlines() if x.startswith("{")]
@@ -326,22 +336,23 @@ def _scenario(dump: Path, folder: str, mode: str, reader: bool, steps: int) -> d
     """The reference trainer on 2 ranks, ``steps`` steps, each saved, keep_latest_k 2; beside it
     the evaluation example taking `latest` again and again (verify, to-hf, from_pretrained)."""
     start = time.perf_counter()
-    train = _start_train(
-        dump, "--training.steps", str(steps), "--checkpoint.interval", "1",
+    lines: list[dict] = []
+    with Beside(
+        run_train, 2, dump, "--training.steps", str(steps), "--checkpoint.interval", "1",
         "--checkpoint.keep_latest_k", "2", "--checkpoint.folder", folder,
         "--checkpoint.async_mode", mode, "--checkpoint.last_save_model_only", "false",
-    )  # fmt: skip
-    lines: list[dict] = []
-    if reader:  # started with the run: it waits for the first step
-        store = open_store(folder if "://" in folder else dump / folder)
-        evaluation = subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / "evaluation_job.py"), store.root,
-             str(dump / "exports"), "--latest", "--batches", "100",
-             "--tokenizer", str(dump / "tokenizer.json")],
-            env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=_low_priority,
-        )  # fmt: skip
-    log = _finish(train, "training")
+    ) as train:  # fmt: skip
+        if reader:  # started with the run: it waits for the first step
+            store = open_store(folder if "://" in folder else dump / folder)
+            evaluation = subprocess.Popen(
+                [sys.executable, str(ROOT / "examples" / "evaluation_job.py"), store.root,
+                 str(dump / "exports"), "--latest", "--batches", "100",
+                 "--tokenizer", str(dump / "tokenizer.json")],
+                env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                preexec_fn=_low_priority,
+            )  # fmt: skip
+        done = train.result()
+    log = done.stdout + done.stderr
     if reader:
         printed = _finish(evaluation, "evaluation")
         lines = [json.loads(x) for x in printed.splitlines() if x.startswith("{")]

@@ -3,7 +3,8 @@
 
     load_outage.py FOLDER ENDPOINT save            # saves step 1
     load_outage.py FOLDER ENDPOINT load RETRY_S MARKER   # loads it; MARKER is created as load()
-                                                         # starts
+                                                         # starts, MARKER.R as rank R has its
+                                                         # result
 
 Each rank prints ``STATE rank R HASH`` (its shards' bytes) after the save or a load that
 succeeded, or ``FAILED rank R SECONDS TYPE: MESSAGE`` for a load that raised; a rank that
@@ -74,6 +75,7 @@ def main() -> None:
         except Exception as e:  # a caller that catches it and goes on
             took = time.monotonic() - start
             say(f"FAILED rank {rank} {took:.1f} {type(e).__name__}: {e}")
+        Path(f"{sys.argv[5]}.{rank}").touch()
     torch_dist.barrier()
     mgr.close()
     torch_dist.barrier()
