@@ -339,7 +339,7 @@ def seaweedfs(tmp_path_factory):
 
         fs = s3fs.S3FileSystem(
             key="testing", secret="testing", skip_instance_cache=True,
-            client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"},
+            client_kwargs={"endpoint_url": endpoint},
         )  # fmt: skip
         deadline = time.time() + 60
         while True:  # the gateway answers before the filer behind it is ready
@@ -377,13 +377,35 @@ def use_endpoint(monkeypatch, endpoint: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def s3(tmp_path_factory):
-    """A moto S3 server, with credentials and endpoint in the environment."""
+def moto(tmp_path_factory):
+    """A moto S3 server (a mock of S3 in Python, on loopback) with the test bucket made: its
+    endpoint URL, for the stores' conformance and outage matrices beside SeaweedFS
+    (``use_endpoint`` points a test at it). Moto reads a whole object for each ranged read:
+    tests that read checkpoints by ranges run on ``s3`` (SeaweedFS)."""
     server, port = start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(
+            key="testing", secret="testing", skip_instance_cache=True,
+            client_kwargs={"endpoint_url": endpoint},
+        )  # fmt: skip
+        fs.mkdir(BUCKET)
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def s3(seaweedfs):
+    """S3 for the session: the SeaweedFS server's endpoint and credentials in the environment
+    (the processes a test starts inherit them); an ``s3fs`` file system on it."""
     env = {
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ENDPOINT_URL": seaweedfs,
         "AWS_DEFAULT_REGION": "us-east-1",
     }
     saved = {k: os.environ.get(k) for k in env}
@@ -391,12 +413,9 @@ def s3(tmp_path_factory):
     try:
         import s3fs
 
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir(BUCKET)
-        yield fs
+        s3fs.S3FileSystem.clear_instance_cache()
+        yield s3fs.S3FileSystem(skip_instance_cache=True)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -1,4 +1,4 @@
-"""Checkpoints on S3: a real S3-compatible server (moto) on loopback, s3fs, real torchrun runs."""
+"""Checkpoints on S3: a real S3-compatible server (SeaweedFS) on loopback, s3fs, torchrun runs."""
 
 from __future__ import annotations
 

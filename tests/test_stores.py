@@ -27,7 +27,7 @@ from dcpkit.storage import open_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-STORES = ["local", "memory", "s3", "seaweedfs"]
+STORES = ["local", "memory", "moto", "seaweedfs"]
 
 
 @pytest.fixture(params=STORES)
@@ -38,13 +38,10 @@ def root(request, tmp_path, monkeypatch):
         yield str(tmp_path / "checkpoint")
     elif request.param == "memory":
         yield f"memory://dcpkit-{uuid.uuid4().hex}/checkpoint"
-    elif request.param == "s3":
-        request.getfixturevalue("s3")
-        yield f"s3://{BUCKET}/conformance-{uuid.uuid4().hex}/checkpoint"
     else:
         import s3fs
 
-        use_endpoint(monkeypatch, request.getfixturevalue("seaweedfs"))
+        use_endpoint(monkeypatch, request.getfixturevalue(request.param))
         yield f"s3://{BUCKET}/conformance-{uuid.uuid4().hex}/checkpoint"
         s3fs.S3FileSystem.clear_instance_cache()
 
