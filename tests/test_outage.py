@@ -38,7 +38,18 @@ class Proxy:
         self.open: list[socket.socket] = []
         self.lock = threading.Lock()
         self.stopped = False
+        self.forwarded = 0  # bytes the server sent to clients since count()
+        self.cut_at: int | None = None
+        self.back: float | None = None
+        self.cuts = 0
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def count(self, cut_at: int | None = None, back: float | None = None) -> None:
+        """Count the server's bytes from zero; with ``cut_at``, go ``down()`` once that many
+        have passed (a cut at a point of the transfer, whatever the machine's speed), and
+        ``up()`` again ``back`` seconds later if given."""
+        with self.lock:
+            self.forwarded, self.cut_at, self.back, self.cuts = 0, cut_at, back, 0
 
     def _accept(self) -> None:
         while not self.stopped:
@@ -57,12 +68,22 @@ class Proxy:
             with self.lock:
                 self.open += [client, server]
             for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(a, b, a is server), daemon=True).start()
 
-    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+    def _pipe(self, a: socket.socket, b: socket.socket, from_server: bool) -> None:
         try:
             while data := a.recv(1 << 16):
                 b.sendall(data)
+                if from_server:
+                    with self.lock:
+                        self.forwarded += len(data)
+                        trip = self.cut_at is not None and self.forwarded >= self.cut_at
+                        if trip:
+                            self.cut_at, self.cuts = None, self.cuts + 1
+                    if trip:
+                        self.down()
+                        if self.back is not None:
+                            threading.Timer(self.back, self.up).start()
         except OSError:
             pass
         for s in (a, b):
@@ -94,10 +115,7 @@ def proxy(request, monkeypatch):
 
     import s3fs
 
-    if request.param == "moto":
-        request.getfixturevalue("s3")
-    else:
-        use_endpoint(monkeypatch, request.getfixturevalue("seaweedfs"))
+    use_endpoint(monkeypatch, request.getfixturevalue(request.param))
     port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
     p = Proxy(port)
     yield p
@@ -177,31 +195,20 @@ def _wait_for(paths: list, job: Beside, timeout: float = 120) -> None:
         time.sleep(0.005)
 
 
-def _load_run(folder, endpoint, retry_s, tmp_path, cut=None, back=None):  # type: ignore[no-untyped-def]
-    """One 2-rank load; ``cut(proxy)`` is called once the load has started (rank 0's marker),
-    ``back`` (seconds after the cut) brings the store back. Returns the ranks' result lines."""
+def _load_run(folder, endpoint, retry_s, tmp_path, proxy, cut_at=None, back=None):  # type: ignore[no-untyped-def]
+    """One 2-rank load through ``proxy``, which goes down once ``cut_at`` bytes of the store's
+    answers have passed (counted from the launch) and, with ``back``, comes back that many
+    seconds later. Returns the ranks' result lines and the bytes the store sent."""
     marker = tmp_path / f"started-{uuid.uuid4().hex}"
+    proxy.count(cut_at, back)
     with Beside(_ranks, folder, endpoint, "load", str(retry_s), str(marker)) as job:
-        if cut is not None:
-            _wait_for([marker], job)
-            cut()
-            if back is not None:
-                time.sleep(back)
-                cut.proxy.up()
+        if cut_at is not None:
             # each rank's result, then the store back for the ranks' close (its lease)
             _wait_for([Path(f"{marker}.{r}") for r in (0, 1)], job, retry_s + 90)
-            cut.proxy.up()
+            proxy.up()
         proc = job.result()
-    return sorted(x for x in proc.stdout.splitlines() if x.startswith(("FAILED", "STATE")))
-
-
-class _Cut:
-    def __init__(self, proxy, after: float) -> None:  # type: ignore[no-untyped-def]
-        self.proxy, self.after = proxy, after
-
-    def __call__(self) -> None:
-        time.sleep(self.after)
-        self.proxy.down()
+    lines = sorted(x for x in proc.stdout.splitlines() if x.startswith(("FAILED", "STATE")))
+    return lines, proxy.forwarded
 
 
 @pytest.fixture
@@ -217,7 +224,8 @@ def weed_proxy(seaweedfs, monkeypatch):
 
 @pytest.mark.dist
 def test_a_load_that_loses_its_store_fails_on_every_rank_together(weed_proxy, tmp_path):
-    """SeaweedFS behind a proxy cut 0.2 s into a 2-rank load, and at half of it: both ranks
+    """SeaweedFS behind a proxy cut an eighth into a 2-rank load's bytes, and at half of them
+    (points of the transfer, not of the clock, so the cut lands inside the load): both ranks
     raise (each catching it and going on to a barrier that both reach) within storage_retry_s
     + 30 s, with the same message naming the store; a store that comes back within the retry
     time lets the load complete bit for bit."""
@@ -225,13 +233,13 @@ def test_a_load_that_loses_its_store_fails_on_every_rank_together(weed_proxy, tm
     folder = f"s3://{BUCKET}/load-outage-{uuid.uuid4().hex}/checkpoint"
     saved = _ranks(folder, endpoint, "save")
     states = sorted(x for x in saved.stdout.splitlines() if x.startswith("STATE"))
-    clean = _load_run(folder, endpoint, 60, tmp_path)
+    clean, total = _load_run(folder, endpoint, 60, tmp_path, weed_proxy)
     assert [x.split()[:4] for x in clean] == [x.split()[:4] for x in states], (clean, states)
-    took = max(float(x.split()[4]) for x in clean)
     retry_s = 8
-    for after in (0.2, took / 2):
+    for cut_at in (total // 8, total // 2):
         start = time.monotonic()
-        lines = _load_run(folder, endpoint, retry_s, tmp_path, cut=_Cut(weed_proxy, after))
+        lines, _ = _load_run(folder, endpoint, retry_s, tmp_path, weed_proxy, cut_at)
+        assert weed_proxy.cuts == 1
         assert time.monotonic() - start < retry_s + 30 + 60  # startup included
         assert [x.split()[:3] for x in lines] == [["FAILED", "rank", "0"], ["FAILED", "rank", "1"]]
         waited = [float(x.split()[3]) for x in lines]
@@ -240,8 +248,8 @@ def test_a_load_that_loses_its_store_fails_on_every_rank_together(weed_proxy, tm
         assert messages[0] == messages[1], lines
         assert "StoreUnavailable" in messages[0] and f"retried for {retry_s}s" in messages[0]
         assert f"127.0.0.1:{weed_proxy.port}" in messages[0] or BUCKET in messages[0], lines
-        weed_proxy.up()
-    back = _load_run(folder, endpoint, 60, tmp_path, cut=_Cut(weed_proxy, 0.2), back=3.0)
+    back, _ = _load_run(folder, endpoint, 60, tmp_path, weed_proxy, total // 8, back=3.0)
+    assert weed_proxy.cuts == 1
     assert [x.split()[:4] for x in back] == [x.split()[:4] for x in states], (back, states)
 
 
