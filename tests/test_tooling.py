@@ -18,6 +18,8 @@ import torch
 from conftest import cli
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager
 from dcpkit.convert.hf import to_hf
+from dcpkit.layout import MANIFEST
+from dcpkit.manifest import SEAL, sealed_bytes
 from dcpkit.models import build_model
 from dcpkit.tools.verify import verify_path
 
@@ -165,6 +167,10 @@ def test_diff_against_own_export_and_later_step(ckpt, stopped_run, reference_run
 def test_list_shows_status(ckpt, tmp_path):
     folder = ckpt.parent
     shutil.copytree(ckpt, folder / "step-20")
+    manifest = json.loads((folder / "step-20" / MANIFEST).read_text())
+    manifest.pop(SEAL)
+    manifest["step"] = 20  # a step of its own, one of whose files is then cut short
+    (folder / "step-20" / MANIFEST).write_bytes(sealed_bytes(manifest))
     (folder / "step-20" / "__1_0.distcp").write_bytes(b"short")
     (folder / ".tmp-step-30").mkdir()
     proc = cli("list", str(folder))

@@ -19,7 +19,7 @@ from dcpkit.formats.structure import (
     index_problems,
     torch_file_problems,
 )
-from dcpkit.layout import MANIFEST, METADATA, METADATA_INDEX
+from dcpkit.layout import MANIFEST, METADATA, METADATA_INDEX, parse_step
 from dcpkit.manifest import CHECKSUM_ALGORITHM, Problem
 from dcpkit.progress import progress
 from dcpkit.safe_pickle import UnsafeCheckpoint, check_file_name
@@ -151,6 +151,7 @@ def _check_manifest(
                 "structure checked only"
             )
         return None
+    report.problems += _step_mismatch(store, folder, manifest)
     report.problems += check_files(store, folder, manifest, names, checksums)
     if names is None:
         listed = set(manifest["files"]) | {MANIFEST} | store.own_names
@@ -162,6 +163,23 @@ def _check_manifest(
     report.files_checked = len(manifest["files"]) if names is None else len(names)
     report.checksummed = checksums
     return manifest
+
+
+def _step_mismatch(store: Any, folder: str, manifest: dict[str, Any]) -> list[Problem]:
+    """A ``step-N`` folder whose manifest records another step: renamed, swapped or linked in
+    under another step's name (its weights and train state are the manifest's step)."""
+    named = parse_step((folder or str(store.root)).rstrip("/").rsplit("/", 1)[-1])
+    recorded = manifest.get("step")
+    if named is None or type(recorded) is not int or recorded == named:
+        return []
+    return [
+        Problem(
+            MANIFEST,
+            f"records step {recorded}, but its folder is named step-{named}: a step folder "
+            "renamed, swapped or linked under another step's name is refused (its weights and "
+            f"train state are step {recorded}'s)",
+        )
+    ]
 
 
 def _is_dir(store: Any, folder: str, name: str) -> bool:

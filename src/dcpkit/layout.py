@@ -33,7 +33,10 @@ LEASE = ".dcpkit-lease"
 """The lease of the run saving into a checkpoint folder (see ``engine.lease``)."""
 
 STEP_PREFIX = "step-"
-STEP_DIR_RE = re.compile(r"^step-(\d+)$")
+STEP_DIR_RE = re.compile(r"step-(0|[1-9][0-9]*)")
+"""A step's folder name, whole (``fullmatch``): ``step-`` and ASCII digits with no leading zero.
+``step-00030``, ``step-٣٠`` (other scripts' digits) or ``step-30\\n`` are no step's name: read
+as step 30 they would stand for a folder nobody wrote."""
 TEMP_PREFIX = ".tmp-"
 """A local write in progress: ``.tmp-NAME`` becomes ``NAME`` by one rename."""
 OLD_PREFIX = ".old-"
@@ -48,7 +51,7 @@ def step_name(step: int) -> str:
 
 def parse_step(name: str) -> int | None:
     """The step of a ``step-N`` name, None for any other name."""
-    m = STEP_DIR_RE.match(name)
+    m = STEP_DIR_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 

@@ -6,7 +6,6 @@ folder saved into without a load, refused at the first step rather than at the f
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +14,11 @@ from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.console import summary
 from dcpkit.engine.publish import StepInfo, retrying_alone, save_failure, transient
 from dcpkit.errors import CheckpointError
+from dcpkit.layout import parse_step
 from dcpkit.storage.opening import local_path
 
 logger = logging.getLogger(__name__)
 
-_STEP = re.compile(r"^step-[0-9]+$")
 _STEP_FILES = (".metadata", "dcpkit.json")  # what makes a step-N folder a checkpoint
 
 
@@ -32,9 +31,11 @@ def _steps_in(folder: Path) -> list[str]:
     steps = [
         p.name
         for p in entries
-        if _STEP.match(p.name) and p.is_dir() and any((p / f).is_file() for f in _STEP_FILES)
+        if parse_step(p.name) is not None
+        and p.is_dir()
+        and any((p / f).is_file() for f in _STEP_FILES)
     ]
-    return sorted(steps, key=lambda name: int(name[5:]))
+    return sorted(steps, key=parse_step)
 
 
 def _named(steps: list[str]) -> str:

@@ -31,6 +31,7 @@ from dcpkit.layout import (
     HF_FILES,
     MANIFEST,
     METADATA,
+    STEP_PREFIX,
     parse_step,
     rank_file_prefix,
 )
@@ -65,6 +66,11 @@ class FileStat:
     is_dir: bool
     size: int
     mtime: float | None
+
+
+FOREIGN_STEP = (
+    "foreign: not a step's name (step- and ASCII digits, no leading zero), never read as a step"
+)
 
 
 @dataclass
@@ -326,7 +332,7 @@ class CheckpointStore(ABC):
     def _named(self, name: str) -> bool:
         """A published dcpkit checkpoint under a name of its writer's choosing (Lightning's
         ``epoch=1-step=16.ckpt``, ``last.ckpt``): a folder with a checkpoint and a manifest."""
-        if name.startswith(".") or parse_step(name) is not None:
+        if name.startswith((".", STEP_PREFIX)):  # a step's name, or one no step may have
             return False
         st = self.stat(name)
         return bool(st is not None and st.is_dir and self.holds_checkpoint(name)) and (
@@ -354,6 +360,8 @@ class CheckpointStore(ABC):
                 else:
                     status = f"published, {manifest.get('world_size')} rank(s)"
                 published = True
+            elif step is None and name.startswith(STEP_PREFIX):
+                status, published = FOREIGN_STEP, False
             else:
                 continue
             st = self.stat(name)

@@ -1,0 +1,104 @@
+"""A folder's names are claims to check: a step folder whose manifest records another step
+(swapped, renamed or linked in under another name) is refused by every entry point, naming both
+steps; a name that only looks like a step's (a leading zero, another script's digits, a trailing
+newline) is never read as a step and ``list`` names it as foreign."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import Counter, cli
+from dcpkit import CheckpointConfig, CheckpointManager, CorruptCheckpoint
+from dcpkit.layout import parse_step
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _manager(run: Path, counter: Counter | None = None, **options) -> CheckpointManager:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    cfg = CheckpointConfig(enable=True, interval=1, keep_latest_k=0, **options)
+    model = torch.nn.Linear(8, 8)
+    return CheckpointManager(cfg, run, model, states={"train_state": counter or Counter()})
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory) -> Path:
+    """A run with steps 10 and 20 (its train state's step saved with each)."""
+    run = tmp_path_factory.mktemp("claims") / "run"
+    counter = Counter()
+    with _manager(run, counter) as mgr:
+        for step in (10, 20):
+            counter.step = step
+            mgr.save(step)
+    return run
+
+
+def _copy(steps: Path, tmp_path: Path) -> tuple[Path, Path]:
+    run = tmp_path / "run"
+    shutil.copytree(steps, run, symlinks=True)
+    return run, run / "checkpoint"
+
+
+def _refused_everywhere(run: Path, folder: Path, name: str, recorded: int, named: int) -> None:
+    rule = f"records step {recorded}, but its folder is named step-{named}"
+    verdict = cli("verify", str(folder / name))
+    assert verdict.returncode == 1 and rule in verdict.stdout, verdict.stdout
+    assert "OK" not in verdict.stdout.replace("NOT OK", ""), verdict.stdout
+    listed = cli("list", str(folder))
+    assert listed.returncode == 1, listed.stdout
+    line = next(x for x in listed.stdout.splitlines() if x.startswith(name + " "))
+    assert "CORRUPT" in line and rule in line and "verified" not in line, listed.stdout
+    for verify in (True, False):
+        counter = Counter()
+        with _manager(run, counter, verify_on_load=verify) as mgr:
+            with pytest.raises(CorruptCheckpoint) as e:
+                mgr.load()
+        assert rule in str(e.value) and "dcpkit.json" in str(e.value), e.value
+        assert counter.step == 0  # nothing restored
+
+
+def test_swapped_step_folders_are_refused_by_verify_list_and_load(steps, tmp_path):
+    run, folder = _copy(steps, tmp_path)
+    (folder / "step-10").rename(folder / "x")
+    (folder / "step-20").rename(folder / "step-10")
+    (folder / "x").rename(folder / "step-20")
+    _refused_everywhere(run, folder, "step-20", 10, 20)
+
+
+def test_a_step_linked_in_under_another_name_is_refused(steps, tmp_path):
+    run, folder = _copy(steps, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(folder / "step-20", elsewhere)
+    os.symlink(elsewhere, folder / "step-30")
+    _refused_everywhere(run, folder, "step-30", 20, 30)
+
+
+def test_the_step_names_are_ascii_digits_without_a_leading_zero():
+    assert [parse_step(n) for n in ("step-0", "step-7", "step-30", "step-1200")] == [0, 7, 30, 1200]
+    for name in ("step-00030", "step-030", "step-٣٠", "step-３０", "step-30\n", "step-+30", "step-"):
+        assert parse_step(name) is None, name
+
+
+@pytest.mark.parametrize("stray", ["step-00030", "step-٣٠", "step-30\n"])
+def test_a_name_that_looks_like_a_step_is_foreign_never_a_step(steps, tmp_path, stray):
+    """A copy of step-20 under a name no step may have: the load takes step 20, `list` names
+    the stray as foreign and reads no step from it, nothing is deleted."""
+    run, folder = _copy(steps, tmp_path)
+    shutil.copytree(folder / "step-20", folder / stray)
+    listed = cli("list", str(folder))
+    assert listed.returncode == 0, listed.stdout
+    assert "deleted" not in listed.stdout and "step-30 " not in listed.stdout, listed.stdout
+    assert "foreign: not a step's name" in listed.stdout, listed.stdout
+    assert "step-20" in listed.stdout and "verified" in listed.stdout
+    counter = Counter()
+    with _manager(run, counter) as mgr:
+        assert mgr.load() == 20
+    assert counter.step == 20
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == sorted(
+        ["step-10", "step-20", stray]
+    )
