@@ -10,11 +10,17 @@ The workers agree through two lock files of the run (``flock``): every test hold
 shared, an ``alone`` test holds it alone. ``GATE`` is taken, briefly, before ``RUN``: a test
 waiting to run alone holds it, so that no new test slips in before it (it would wait forever
 behind a stream of them). Without xdist, nothing is locked.
+
+The files go to the workers heaviest first, by their seconds in the suite's last profile
+(``benchmarks/results/test_profile.json``; a file it does not name counts as an average one),
+instead of xdist's order by the number of tests: a file of three long tests started last would
+keep one worker busy while the other has nothing left to run.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -22,6 +28,30 @@ from pathlib import Path
 import pytest
 
 _files: tuple | None = None
+PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "test_profile.json"
+
+
+def pytest_configure(config) -> None:
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # the order below is the workers' order
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Files heaviest first (by the last profile), each file's tests in their own order."""
+    try:
+        seconds = {k: v["seconds"] for k, v in json.loads(PROFILE.read_text())["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    average = sum(seconds.values()) / max(len(seconds), 1)
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::", 1)[0], i)
+    items.sort(
+        key=lambda item: (
+            -seconds.get(item.nodeid.split("::", 1)[0], average),
+            first[item.nodeid.split("::", 1)[0]],
+        )
+    )
 
 
 def _locks():
