@@ -5,6 +5,8 @@ newline) is never read as a step and ``list`` names it as foreign."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -103,3 +105,44 @@ def test_a_name_that_looks_like_a_step_is_foreign_never_a_step(steps, tmp_path, 
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == sorted(
         ["step-10", "step-20", stray]
     )
+
+
+def _kept(folder: Path, step: int, record: dict | None) -> Path:
+    marker = folder / ".dcpkit-holds" / f"kept-step-{step}.json"
+    marker.parent.mkdir(exist_ok=True)
+    marker.write_text("{}" if record is None else json.dumps(record))
+    return marker
+
+
+def test_a_kept_marker_is_a_claim_and_deletes_nothing_it_does_not_prove(steps, tmp_path, caplog):
+    """``kept-step-N.json`` (retention kept a step for a reader, the last reader deletes it)
+    written by someone else or left stale: a 3-byte one on the newest step, retention's shape on
+    the newest step, retention's shape read by read-only commands. No entry point deletes a
+    step; the reader that ignores a marker says why."""
+    run, folder = _copy(steps, tmp_path)
+    _kept(folder, 20, None)
+    _kept(folder, 10, {"by": "retention", "step": 10, "since": 0})  # only a loader may act on it
+    for args in (
+        ["list", str(folder)],
+        ["inspect", str(folder / "step-20")],
+        ["verify", str(folder), "--step", "latest"],
+        ["verify", str(folder / "step-10")],
+        ["diff", str(folder / "step-10"), str(folder / "step-20")],
+    ):
+        done = cli(*args)
+        assert done.returncode in (0, 1) and "Traceback" not in done.stderr, (args, done)
+        assert "deleted" not in done.stdout + done.stderr, (args, done.stdout)
+        assert sorted(p.name for p in folder.glob("step-*")) == ["step-10", "step-20"], args
+    counter = Counter()
+    with caplog.at_level(logging.WARNING, logger="dcpkit"), _manager(run, counter) as mgr:
+        assert mgr.load() == 20  # a reader of step 20 letting go: the marker is no decision
+    assert counter.step == 20
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-10", "step-20"]
+    assert "kept-step-20.json is no decision of retention" in caplog.text, caplog.text
+    assert "it does not name step 20 as kept by retention" in caplog.text
+    _kept(folder, 20, {"by": "retention", "step": 20, "since": 0})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dcpkit"), _manager(run) as mgr:
+        assert mgr.load() == 20
+    assert (folder / "step-20").is_dir()
+    assert "step-20 is the newest published step, which retention never deletes" in caplog.text

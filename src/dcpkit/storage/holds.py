@@ -38,6 +38,9 @@ DELETING = "deleting-"
 KEPT = "kept-"
 """``kept-step-N.json``: retention would have deleted step N but a reader held it; the last
 reader to let go deletes it (the run may have ended: no later save would)."""
+READ_ONLY = frozenset({"list", "verify", "inspect", "diff"})
+"""Readers that never delete: a step they held past the run's retention is deleted by the run's
+next save, or by a reader that loads or exports letting go of it."""
 HOLD_PREFIX = "hold-"
 DEFAULT_EXPIRY_S = 60.0
 STALE_DELETING_S = 600.0
@@ -159,7 +162,9 @@ def delete_unless_held(store: Any, step: int, delete: Callable[[str], None]) -> 
         holders = [h for h in live_holds(store) if covers(h, step)]
         kept = f"{HOLDS}/{KEPT}{name}.json"
         if holders:
-            store.write_bytes(kept, json.dumps({"since": time.time()}).encode(), durable=False)
+            decision = {"by": "retention", "step": step, "since": time.time()}
+            decision["held_by"] = [h.get("id") for h in holders]
+            store.write_bytes(kept, json.dumps(decision).encode(), durable=False)
             return holders
         record["deleting"] = True  # decided: a reader that wrote its hold since backs off
         store.write_bytes(marker, json.dumps(record).encode(), durable=False)
@@ -170,6 +175,20 @@ def delete_unless_held(store: Any, step: int, delete: Callable[[str], None]) -> 
         with contextlib.suppress(Exception):
             store.remove(marker)
             store.remove_empty_folder(HOLDS)
+
+
+def _not_a_decision(store: Any, name: str, step: int) -> str | None:
+    """What is wrong with ``kept-step-N.json`` as retention's record of keeping step ``step``
+    for a reader (None: it is one, and the step is not the newest published step)."""
+    record = read_record(store, f"{HOLDS}/{name}")
+    if record is None:
+        return "not a JSON record of at most 64 KiB"
+    if record.get("by") != "retention" or record.get("step") != step:
+        return f"it does not name step {step} as kept by retention"
+    published = store.published_steps()
+    if published and step >= max(published):
+        return f"step-{step} is the newest published step, which retention never deletes"
+    return None
 
 
 class Hold:
@@ -237,8 +256,11 @@ class Hold:
         self._finish_retention(lambda s: before <= s < step)
 
     def _finish_retention(self, released: Callable[[int], bool]) -> None:
-        """Delete the ``released`` steps that retention kept for a reader, unless another
-        reader still holds one (the run may have ended: no later save would delete them)."""
+        """Delete the ``released`` steps retention kept for a reader, unless another reader
+        holds one (no later save may come). Only retention's own record of its decision, naming
+        the step, deletes one, never the newest; a ``READ_ONLY`` reader deletes nothing."""
+        if self.record["purpose"] in READ_ONLY:
+            return
         try:
             names = self.store.list_names(HOLDS)
         except Exception:  # the next save's retention deletes them
@@ -246,6 +268,11 @@ class Hold:
         for name in names:
             step = parse_step(name.removeprefix(KEPT).removesuffix(".json"))
             if not name.startswith(KEPT) or step is None or not released(step):
+                continue
+            problem = _not_a_decision(self.store, name, step)
+            if problem is not None:
+                where = self.store.location(f"{HOLDS}/{name}")
+                logger.warning("checkpoint: %s is no decision of retention (%s)", where, problem)
                 continue
             try:
                 if not delete_unless_held(self.store, step, self.store.delete):
