@@ -115,6 +115,7 @@ def test_a_reader_and_retention_never_both_go_ahead(tmp_path):
     folder = tmp_path / "checkpoint"
     with _manager(str(folder), keep=0) as mgr:
         mgr.save(1)
+        mgr.save(2)  # retention deletes older steps than the newest
     store = open_store(folder)
     template = tmp_path / "template"
     shutil.copytree(folder / "step-1", template)
@@ -174,6 +175,7 @@ def test_a_second_reader_of_a_held_step_is_never_turned_away(tmp_path):
     folder = tmp_path / "checkpoint"
     with _manager(str(folder), keep=0) as mgr:
         mgr.save(1)
+        mgr.save(2)  # retention deletes older steps than the newest
     store = open_store(folder)
     first = hold_step(store, 1, "first reader")
     stop, kept = threading.Event(), []
