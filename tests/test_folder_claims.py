@@ -146,3 +146,32 @@ def test_a_kept_marker_is_a_claim_and_deletes_nothing_it_does_not_prove(steps, t
         assert mgr.load() == 20
     assert (folder / "step-20").is_dir()
     assert "step-20 is the newest published step, which retention never deletes" in caplog.text
+
+
+def test_a_step_whose_manifest_was_removed_is_refused_in_a_run_that_writes_them(steps, tmp_path):
+    """step-20's ``dcpkit.json`` deleted and a byte of its data flipped: with step-10's
+    manifest beside it, verify, list and the load refuse step-20 (no checksums were turned
+    off); step-10 alone, without its manifest (a step from before the run took dcpkit on, or
+    checkpoints from others), still loads."""
+    run, folder = _copy(steps, tmp_path)
+    (folder / "step-20" / "dcpkit.json").unlink()
+    data = max((folder / "step-20").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    rule = "is missing, while step-10 before it in the same folder has one"
+    verdict = cli("verify", str(folder / "step-20"))
+    assert verdict.returncode == 1 and rule in verdict.stdout, verdict.stdout
+    listed = cli("list", str(folder))
+    line = next(x for x in listed.stdout.splitlines() if x.startswith("step-20 "))
+    assert listed.returncode == 1 and "CORRUPT" in line and rule in line, listed.stdout
+    for verify in (True, False):
+        mgr = _manager(run, verify_on_load=verify)
+        with mgr, pytest.raises(CorruptCheckpoint, match=rule):
+            mgr.load()
+    shutil.rmtree(folder / "step-20")
+    (folder / "step-10" / "dcpkit.json").unlink()
+    counter = Counter()
+    with _manager(run, counter) as mgr:
+        assert mgr.load() == 10
+    assert counter.step == 10

@@ -145,7 +145,17 @@ def _check_manifest(
     manifest, problems = read if read is not None else store.read_manifest(folder)
     report.problems += problems
     if manifest is None:
-        if not problems:
+        earlier = None if problems else _earlier_with_manifest(store, folder)
+        if earlier is not None:
+            report.problems.append(
+                Problem(
+                    MANIFEST,
+                    f"is missing, while {earlier} before it in the same folder has one: a step "
+                    "of a run that writes manifests is refused without its own (its sizes and "
+                    "checksums would go unchecked); restore it from a copy",
+                )
+            )
+        elif not problems:
             report.notes.append(
                 f"no {MANIFEST}: file checksums cannot be checked (not written by dcpkit); "
                 "structure checked only"
@@ -163,6 +173,25 @@ def _check_manifest(
     report.files_checked = len(manifest["files"]) if names is None else len(names)
     report.checksummed = checksums
     return manifest
+
+
+def _earlier_with_manifest(store: Any, folder: str) -> str | None:
+    """The nearest of the (up to 4) steps before ``folder``, a ``step-N`` of the same folder,
+    that has a manifest (None: none; a folder of checkpoints from others has none, and a run's
+    steps from before it took dcpkit on have none)."""
+    parent, _, name = folder.rstrip("/").rpartition("/")
+    own = parse_step(name)
+    if own is None:
+        return None
+    try:
+        names = store.list_names(parent) if parent else store.list_names()
+    except Exception:  # the checks of this step's own files report what is unreachable
+        return None
+    earlier = sorted((s, n) for n in names if (s := parse_step(n)) is not None and s < own)
+    for _, other in reversed(earlier[-4:]):
+        if store.exists(f"{parent}/{other}/{MANIFEST}" if parent else f"{other}/{MANIFEST}"):
+            return other
+    return None
 
 
 def _step_mismatch(store: Any, folder: str, manifest: dict[str, Any]) -> list[Problem]:
