@@ -9,13 +9,14 @@ import json
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import Counter, cli
-from dcpkit import CheckpointConfig, CheckpointManager, CorruptCheckpoint
+from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager, CorruptCheckpoint
 from dcpkit.layout import parse_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -175,3 +176,62 @@ def test_a_step_whose_manifest_was_removed_is_refused_in_a_run_that_writes_them(
     with _manager(run, counter) as mgr:
         assert mgr.load() == 10
     assert counter.step == 10
+
+
+def _bounded(fn, seconds: float = 60):  # type: ignore[no-untyped-def]
+    """``fn()`` in a thread, failing the test if it has not returned within ``seconds``."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # the test looks at it
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn} still running after {seconds}s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_fifos_devices_and_huge_markers_neither_hang_nor_exhaust(steps, tmp_path, caplog):
+    """Every marker kind as a FIFO, a link to /dev/zero and a 1 GiB sparse file, a manifest
+    linked to /dev/zero, a FIFO lease: list, verify, inspect and the load finish (each within
+    a minute), read no marker as a record, and refuse the manifest naming it."""
+    run, folder = _copy(steps, tmp_path)
+    holds = folder / ".dcpkit-holds"
+    holds.mkdir()
+    for kind in ("hold-{}.json", "deleting-step-2{}.json", "kept-step-1{}.json"):
+        os.mkfifo(holds / kind.format(0))
+        os.symlink("/dev/zero", holds / kind.format("zero"))
+        with open(holds / kind.format("sparse"), "wb") as f:
+            f.truncate(1 << 30)
+    for args in (
+        ["list", str(folder)],
+        ["verify", str(folder), "--step", "latest"],
+        ["inspect", str(folder / "step-20")],
+    ):
+        done = _bounded(lambda args=args: cli(*args))
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (args, done)
+    counter = Counter()
+    with _manager(run, counter) as mgr:
+        assert _bounded(mgr.load) == 20  # the FIFO deleting-step-20.json is no deletion
+    assert counter.step == 20
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-10", "step-20"]
+    manifest = folder / "step-20" / "dcpkit.json"
+    manifest.unlink()
+    os.symlink("/dev/zero", manifest)
+    verdict = _bounded(lambda: cli("verify", str(folder / "step-20")))
+    assert verdict.returncode == 1 and "is a device, not a regular file" in verdict.stdout
+    assert "dcpkit.json" in verdict.stdout, verdict.stdout
+    mgr = _manager(run)
+    with mgr, pytest.raises(CorruptCheckpoint, match="is a device, not a regular file"):
+        _bounded(mgr.load)
+    lease = folder / ".dcpkit-lease"
+    os.mkfifo(lease)
+    with pytest.raises(CheckpointError) as e:
+        _bounded(lambda: _manager(run, storage_retry_s=5).save(21))
+    assert "is a FIFO, not a regular file" in str(e.value) and ".dcpkit-lease" in str(e.value)

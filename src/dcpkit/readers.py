@@ -28,8 +28,8 @@ from dcpkit.storage.holds import (
     hold_latest,
     hold_step,
     letting_go,
-    read_record,
 )
+from dcpkit.storage.markers import read_record
 
 logger = logging.getLogger(__name__)
 LATEST = "latest"

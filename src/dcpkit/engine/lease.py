@@ -26,6 +26,7 @@ from dcpkit.engine.publish import retrying_alone
 from dcpkit.errors import CheckpointError
 from dcpkit.layout import LEASE
 from dcpkit.storage import StoreError
+from dcpkit.storage.markers import read_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Lease:
         """The lease's record; None when there is none, or what is there is no record (it is
         rewritten). A store that fails to answer raises: never taken for a free folder."""
         try:
-            data = self.store.read_bytes(LEASE) if self.store.exists(LEASE) else None
+            data = read_bounded(self.store, LEASE) if self.store.exists(LEASE) else None
         except FileNotFoundError:
             return None  # released in between
         try:

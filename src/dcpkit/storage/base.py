@@ -40,6 +40,10 @@ from dcpkit.manifest import CHECKSUM_ALGORITHM, Problem, checksum_stream, parse_
 logger = logging.getLogger(__name__)
 
 
+class NotAFile(OSError):
+    """A name read as a file of a checkpoint folder is a FIFO, a device or a socket."""
+
+
 class StoreError(RuntimeError):
     """A store cannot be used; the message names the location and what to check."""
 
@@ -319,7 +323,11 @@ class CheckpointStore(ABC):
         name = f"{folder}/{MANIFEST}" if folder else MANIFEST
         if not self.exists(name):
             return None, []
-        return parse_manifest(self.read_bytes(name))
+        try:
+            data = self.read_bytes(name)
+        except NotAFile as e:
+            return None, [Problem(MANIFEST, f"{e.strerror}: {e.filename}")]
+        return parse_manifest(data)
 
     def tree_size(self, name: str) -> int:
         st = self.stat(name)

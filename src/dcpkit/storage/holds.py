@@ -30,6 +30,7 @@ from typing import Any
 
 from dcpkit.console import summary
 from dcpkit.layout import parse_step, step_name
+from dcpkit.storage.markers import read_record, readable
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,6 @@ HOLD_PREFIX = "hold-"
 DEFAULT_EXPIRY_S = 60.0
 STALE_DELETING_S = 600.0
 """A deleting marker older than this was left by a deleter that died before removing it."""
-MAX_RECORD = 64 * 1024
 
 
 def expiry_s() -> float:
@@ -62,24 +62,6 @@ def expiry_s() -> float:
 
 class StepGone(Exception):
     """The step is no longer published (retention deleted it, or is deleting it)."""
-
-
-def read_record(store: Any, name: str, skip_errors: bool = True) -> dict[str, Any] | None:
-    """A marker's JSON (a hold's, a deleter's, the run's lease), bounded; None when it is gone,
-    too large or not a JSON object."""
-    try:
-        st = store.stat(name)
-        if st is None or st.size > MAX_RECORD:
-            return None
-        record = json.loads(store.read_bytes(name))
-    except (OSError, ValueError):
-        return None
-    except Exception as e:  # a store error other than a vanished file: unreadable, skip it
-        if not skip_errors:
-            raise
-        logger.debug("checkpoint: unreadable marker %s: %s", store.location(name), e)
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def _alive(record: dict[str, Any], now: float) -> bool:
@@ -129,8 +111,8 @@ def _deleting_record(store: Any, name: str) -> dict[str, Any] | None:
     """The deleter's marker of step ``name`` (None: none, or stale: its deleter died)."""
     marker = f"{HOLDS}/{DELETING}{name}.json"
     record = read_record(store, marker)
-    if record is None:
-        return {} if store.exists(marker) else None  # being written: there, undecided
+    if record is None:  # being written (there, undecided), or no file that could be one
+        return {} if store.exists(marker) and readable(store, marker) else None
     started = record.get("started")
     fresh = isinstance(started, int | float) and time.time() - started < STALE_DELETING_S
     return record if fresh else None

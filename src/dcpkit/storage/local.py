@@ -20,6 +20,7 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +46,7 @@ from dcpkit.storage.base import (
     CheckpointStore,
     CheckpointView,
     FileStat,
+    NotAFile,
     PendingStep,
     own_files_of,
 )
@@ -130,6 +132,29 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(err, f"cannot swap {b} with its new version: {os.strerror(err)}", str(a))
 
 
+def open_regular(path: str | Path) -> BinaryIO:
+    """``open(path, "rb")`` for a regular file only (links followed): a FIFO would block the
+    open or the read forever and a device (``/dev/zero``) never ends, so neither is opened
+    for reading (``NotAFile``, naming the file and what it is; a folder: ``IsADirectoryError``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a folder", str(path))
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else (
+                "a device")  # fmt: skip
+            raise NotAFile(
+                errno.EINVAL, f"is {kind}, not a regular file: a checkpoint folder's files are "
+                "read only when they are files", str(path),
+            )  # fmt: skip
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _remove_path(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -172,10 +197,10 @@ class LocalStore(CheckpointStore):
         return FileStat(p.is_dir(), st.st_size, st.st_mtime)
 
     def open_read(self, name: str) -> BinaryIO:
-        return open(self._p(name), "rb")
+        return open_regular(self._p(name))
 
     def checksum(self, name: str) -> str:
-        with open(self._p(name), "rb") as f:
+        with open_regular(self._p(name)) as f:
             return checksum_stream(f)
 
     def write_bytes(self, name: str, data: bytes, durable: bool = True) -> None:
