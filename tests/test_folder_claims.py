@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def _manager(run: Path, counter: Counter | None = None, **options) -> CheckpointManager:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
-    cfg = CheckpointConfig(enable=True, interval=1, keep_latest_k=0, **options)
+    cfg = CheckpointConfig(enable=True, interval=1, **{"keep_latest_k": 0, **options})
     model = torch.nn.Linear(8, 8)
     return CheckpointManager(cfg, run, model, states={"train_state": counter or Counter()})
 
@@ -235,3 +236,30 @@ def test_fifos_devices_and_huge_markers_neither_hang_nor_exhaust(steps, tmp_path
     with pytest.raises(CheckpointError) as e:
         _bounded(lambda: _manager(run, storage_retry_s=5).save(21))
     assert "is a FIFO, not a regular file" in str(e.value) and ".dcpkit-lease" in str(e.value)
+
+
+def test_a_heartbeat_from_the_future_keeps_nothing_alive(tmp_path, caplog):
+    """A hold and a lease dated a year ahead (a wrong clock, or forged): retention deletes the
+    step as if no reader held it, and a new run takes the lease over, saying so."""
+    from dcpkit.storage.markers import MAX_SKEW_S
+
+    folder = tmp_path / "run" / "checkpoint"
+    ahead = time.time() + 365 * 86400
+    with _manager(tmp_path / "run", keep_latest_k=2) as mgr:
+        mgr.save(1)
+        holds = folder / ".dcpkit-holds"
+        holds.mkdir()
+        hold = {"id": "x", "purpose": "a reader", "step": 1, "heartbeat": ahead, "expires_s": 60}
+        (holds / "hold-x.json").write_text(json.dumps(hold))
+        near = dict(hold, step=2, heartbeat=time.time() + MAX_SKEW_S / 2)  # within the skew
+        (holds / "hold-y.json").write_text(json.dumps(near))
+        for step in (2, 3, 4):
+            mgr.save(step)
+        mgr.wait()
+        assert mgr.published_steps() == [2, 3, 4]  # 1 deleted, 2 held (keep_latest_k 2)
+    lease = {"run_id": "ahead", "host": "elsewhere", "pid": 1, "started": 0, "heartbeat": ahead}
+    (folder / ".dcpkit-lease").write_text(json.dumps(lease))
+    with caplog.at_level(logging.WARNING, logger="dcpkit"), _manager(tmp_path / "run") as mgr:
+        mgr.load()
+        mgr.save(5)
+    assert "taking over the lease" in caplog.text and "run ahead" in caplog.text

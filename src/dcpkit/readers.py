@@ -29,7 +29,7 @@ from dcpkit.storage.holds import (
     hold_step,
     letting_go,
 )
-from dcpkit.storage.markers import read_record
+from dcpkit.storage.markers import fresh, read_record
 
 logger = logging.getLogger(__name__)
 LATEST = "latest"
@@ -182,10 +182,8 @@ def run_state(store: Any) -> tuple[str, dict[str, Any]]:
     record = read_record(store, LEASE, skip_errors=False)  # a store error is no finished run
     if record is None:
         return "none", {}
-    beat, timeout = record.get("heartbeat"), record.get("timeout_s", 60.0)
-    if not isinstance(beat, int | float) or not isinstance(timeout, int | float):
-        return "stale", record
-    return ("running" if time.time() - beat < timeout else "stale"), record
+    alive = fresh(record.get("heartbeat"), record.get("timeout_s", 60.0), time.time())
+    return ("running" if alive else "stale"), record
 
 
 def memory_tier_note(record: dict[str, Any]) -> str | None:

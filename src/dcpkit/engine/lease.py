@@ -26,7 +26,7 @@ from dcpkit.engine.publish import retrying_alone
 from dcpkit.errors import CheckpointError
 from dcpkit.layout import LEASE
 from dcpkit.storage import StoreError
-from dcpkit.storage.markers import read_bounded
+from dcpkit.storage.markers import fresh, read_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,7 @@ class Lease:
     def holder_alive(self, holder: dict[str, Any]) -> bool:
         if holder.get("host") == self.record["host"] and isinstance(holder.get("pid"), int):
             return _pid_alive(holder["pid"])
-        heartbeat = holder.get("heartbeat")
-        return isinstance(heartbeat, int | float) and time.time() - heartbeat < self.timeout_s
+        return fresh(holder.get("heartbeat"), self.timeout_s, time.time())
 
     def check(self) -> None:
         """Raise naming the holder when another live process holds the lease (reads only)."""

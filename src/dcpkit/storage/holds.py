@@ -30,7 +30,7 @@ from typing import Any
 
 from dcpkit.console import summary
 from dcpkit.layout import parse_step, step_name
-from dcpkit.storage.markers import read_record, readable
+from dcpkit.storage.markers import fresh, read_record, readable
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +65,7 @@ class StepGone(Exception):
 
 
 def _alive(record: dict[str, Any], now: float) -> bool:
-    beat, expires = record.get("heartbeat"), record.get("expires_s")
-    if not isinstance(beat, int | float) or not isinstance(expires, int | float):
-        return False
-    return now - beat < expires
+    return fresh(record.get("heartbeat"), record.get("expires_s"), now)
 
 
 def live_holds(store: Any) -> list[dict[str, Any]]:

@@ -12,6 +12,17 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 MAX_RECORD = 64 * 1024
+MAX_SKEW_S = 300.0
+"""A heartbeat dated further ahead than this comes from a wrong clock (or is forged): it keeps
+nothing alive, or one record would hold a step, or a folder, for good."""
+
+
+def fresh(beat: Any, expires: Any, now: float) -> bool:
+    """Whether a heartbeat ``beat`` (seconds since the epoch) is alive at ``now`` for a record
+    that lasts ``expires`` seconds: not older than that, and not dated ahead by more than
+    ``MAX_SKEW_S``."""
+    numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (beat, expires))
+    return numbers and -MAX_SKEW_S <= now - beat < expires
 
 
 def read_record(store: Any, name: str, skip_errors: bool = True) -> dict[str, Any] | None:
