@@ -74,12 +74,33 @@ def test_swapped_step_folders_are_refused_by_verify_list_and_load(steps, tmp_pat
     _refused_everywhere(run, folder, "step-20", 10, 20)
 
 
-def test_a_step_linked_in_under_another_name_is_refused(steps, tmp_path):
+def test_a_linked_step_or_a_data_file_linked_out_is_refused(steps, tmp_path):
+    """``step-30 -> elsewhere/step-20``, and a data file of step-20 linked to a copy outside the
+    folder: verify, list and the load refuse each, naming the link."""
     run, folder = _copy(steps, tmp_path)
     elsewhere = tmp_path / "elsewhere"
-    shutil.move(folder / "step-20", elsewhere)
+    shutil.copytree(folder / "step-20", elsewhere)
     os.symlink(elsewhere, folder / "step-30")
-    _refused_everywhere(run, folder, "step-30", 20, 30)
+    verdict = cli("verify", str(folder / "step-30"))
+    assert verdict.returncode == 1 and f"step-30 is a link to {elsewhere}" in verdict.stdout
+    assert "records step 20, but its folder is named step-30" in verdict.stdout, verdict.stdout
+    listed = cli("list", str(folder))
+    line = next(x for x in listed.stdout.splitlines() if x.startswith("step-30 "))
+    assert listed.returncode == 1 and "CORRUPT" in line and "is a link to" in line, line
+    mgr = _manager(run)
+    with mgr, pytest.raises(CorruptCheckpoint, match="step-30 is a link to"):
+        mgr.load()
+    (folder / "step-30").unlink()
+    data = next((folder / "step-20").glob("*.distcp"))
+    data.unlink()
+    os.symlink(elsewhere / data.name, data)
+    rule = f"{data.name} is a link to {elsewhere / data.name}, outside the checkpoint folder"
+    verdict = cli("verify", str(folder / "step-20"))
+    assert verdict.returncode == 1 and rule in verdict.stdout, verdict.stdout
+    for verify in (True, False):
+        mgr = _manager(run, verify_on_load=verify)
+        with mgr, pytest.raises(CorruptCheckpoint, match="outside the checkpoint folder"):
+            mgr.load()
 
 
 def test_the_step_names_are_ascii_digits_without_a_leading_zero():

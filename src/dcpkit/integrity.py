@@ -22,7 +22,7 @@ from dcpkit.formats.structure import (
 from dcpkit.layout import MANIFEST, METADATA, METADATA_INDEX, parse_step
 from dcpkit.manifest import CHECKSUM_ALGORITHM, Problem
 from dcpkit.progress import progress
-from dcpkit.safe_pickle import UnsafeCheckpoint, check_file_name
+from dcpkit.safe_pickle import UnsafeCheckpoint, check_file_name, check_inside
 
 
 @dataclass
@@ -144,6 +144,15 @@ def _check_manifest(
     """The manifest's checks (``read``: ``store.read_manifest(folder)``, when already done)."""
     manifest, problems = read if read is not None else store.read_manifest(folder)
     report.problems += problems
+    linked = store.local_dir(folder) if folder else None
+    if linked is not None and linked.is_symlink():
+        report.problems.append(
+            Problem(
+                "",
+                f"{folder} is a link to {linked.resolve()}: a step folder is read where it "
+                "lies, never through a link (one could stand for any step of any run)",
+            )
+        )
     if manifest is None:
         earlier = None if problems else _earlier_with_manifest(store, folder)
         if earlier is not None:
@@ -256,6 +265,12 @@ def _check_file(
         return [Problem(MANIFEST, f"names {name!r}, outside the checkpoint folder")]
     if not isinstance(expected, dict):
         return [Problem(MANIFEST, f"has no size and checksum for {name}")]
+    base = store.local_dir(folder)
+    if base is not None:
+        try:  # a link out: its bytes are another folder's, whatever the manifest says
+            check_inside(base, base / name, str(base))
+        except UnsafeCheckpoint as e:
+            return [Problem(name, str(e))]
     path = f"{folder}/{name}" if folder else name
     st = store.stat(path)
     if st is None or st.is_dir:
