@@ -45,6 +45,9 @@ OPERATIONS = {
     StepFileWriter: ("write_data",),
 }
 calls = {"n": 0, "fail_at": 0, "failed": "", "rank": -1}
+# The readers' holds and their records, read as markers (a failed read is no record): not armed.
+MARKERS = ("dcpkit.storage.holds.", "dcpkit.storage.markers.read_record")
+MARKERS += ("dcpkit.storage.markers.readable",)
 
 
 def callers() -> list[str]:
@@ -66,7 +69,7 @@ def inject() -> None:
                 thread = threading.current_thread()
                 if thread is threading.main_thread() or thread.name.startswith("dcpkit-writer"):
                     chain = callers()
-                    if not any(c.startswith("dcpkit.storage.holds.") for c in chain):
+                    if not any(c.startswith(MARKERS) for c in chain):
                         calls["n"] += 1
                         if calls["n"] == calls["fail_at"] and dist.rank() == calls["rank"]:
                             calls["failed"] = f"{_name} in {' < '.join(chain)}"
