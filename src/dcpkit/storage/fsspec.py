@@ -60,7 +60,7 @@ from dcpkit.storage.randomness import imports_kept_off_stream
 from dcpkit.storage.randomness import isolate as isolate_randomness
 from dcpkit.storage.ranged import RangeFile, RemoteFiles, remote_files
 from dcpkit.storage.transfer import READS_IN_FLIGHT, Transport
-from dcpkit.storage.upload import step_writer, upload_file_system
+from dcpkit.storage.upload import fs_options, step_writer, upload_file_system
 
 _SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit
 _SMALL_FILE = 64 << 20  # other files up to this size are copied (metadata, configs, tokenizers)
@@ -87,11 +87,11 @@ class FsspecStore(CheckpointStore):
                 "(pip install 'dcpkit[remote]', i.e. fsspec and s3fs)"
             ) from None
         self.root = url.rstrip("/")
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = opts = dict(storage_options or {})
         try:
             with imports_kept_off_stream():  # s3fs's imports draw from Python's random
                 isolate_randomness()  # the clients' jitter never draws from the training's
-                self.fs, self.path = fsspec.core.url_to_fs(self.root, **self.storage_options)
+                self.fs, self.path = fsspec.core.url_to_fs(self.root, **fs_options(url, opts))
         except (ImportError, ValueError) as e:
             raise StoreError(scrub(f"{self.root}: {e}", self.storage_options)) from None
 

@@ -141,6 +141,15 @@ class PartUpload(io.RawIOBase):
         self.buf = bytearray()
 
 
+def fs_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The file system's options: on S3 with no listing cache (every listing is asked for
+    afresh anyway; a cached one, stored by one thread while another wrote into the folder,
+    made that writer's rename of a file it had just written fail: not found)."""
+    if url.split("://", 1)[0] in ("s3", "s3a"):
+        return {"use_listings_cache": False, **options}
+    return options
+
+
 def upload_file_system(fs: Any, transport: Transport, digests: dict[str, tuple[str, int]]) -> Any:
     """DCP's fsspec file system on ``fs`` whose written files are uploaded in parallel parts (on
     S3) and hashed as they are written, each one's (xxh3-64, size) recorded in ``digests``."""
