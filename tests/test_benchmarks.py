@@ -21,8 +21,7 @@ def test_convert_benchmark_small(tmp_path):
             sys.executable,
             str(ROOT / "benchmarks" / "convert.py"),
             "--gb",
-            "0.6",
-            "0.85",
+            "0.6",  # one size: the RSS rule holds at each (the size sweep is the benchmark's)
             "--json",
             str(out),
             "--workdir",
@@ -35,8 +34,7 @@ def test_convert_benchmark_small(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    data, large = json.loads(out.read_text())["sizes"]
-    assert 1.2 * data["checkpoint_bytes"] < large["checkpoint_bytes"]
+    (data,) = json.loads(out.read_text())["sizes"]
     results = data["results"]
     assert set(results) >= {
         "raw read+write",
@@ -45,13 +43,12 @@ def test_convert_benchmark_small(tmp_path):
         "dcpkit from-hf",
         "torch dcp_to_torch_save",
     }
-    assert set(large["results"]) == set(results)
     assert data["checkpoint_bytes"] > 0.5 * (1 << 30)
     # PyTorch's consolidation holds the whole checkpoint; the streaming ones do not.
     ref = results["torch dcp_to_torch_save"]["rss_above_baseline_bytes"]
     for name in ("dcpkit to-torch", "dcpkit to-hf", "dcpkit from-hf"):
         assert results[name]["rss_above_baseline_bytes"] < 0.75 * ref, name
-    assert proc.stdout.count("x raw") == 2
+    assert proc.stdout.count("x raw") == 1
     assert f"wrote {out.with_suffix('.png')}" in proc.stdout
     import matplotlib.image
 
