@@ -149,7 +149,9 @@ def open_regular(path: str | Path) -> BinaryIO:
                 "read only when they are files", str(path),
             )  # fmt: skip
         os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
+        f = open(fd, "rb")  # noqa: SIM115 (the caller closes it)
+        f.raw.name = str(path)  # as open(path) names it
+        return f
     except BaseException:
         os.close(fd)
         raise
