@@ -4,6 +4,9 @@ state holds 0-dim tensors and the lr schedulers users use, in every async mode.
 ddp_user_loop.py ROOT full     # steps 1-8, a checkpoint at step 4 written while training goes on
 ddp_user_loop.py ROOT stop     # steps 1-4, the checkpoint at step 4, then the process exits
 ddp_user_loop.py ROOT resume   # loads step 4, steps 5-8
+With ``all`` after the phase, every scheduler runs in every mode (15 runs); without it each
+scheduler runs once, the modes taken in turn, so that every scheduler and every mode is seen
+(5 runs: a scheduler's state and a mode's staging are independent of each other).
 Each prints one line ``RESULT {json}``: per mode and scheduler, per step, the loss, the sampler's
 position and the learning rate, bit for bit (floats as their hex).
 """
@@ -104,7 +107,11 @@ def run(root: str, mode: str, kind: str, phase: str) -> dict[int, list[str]]:
 def main() -> None:
     root, phase = sys.argv[1], sys.argv[2]
     torch_dist.init_process_group("gloo")
-    results = {f"{m}/{k}": run(root, m, k, phase) for m in MODES for k in SCHEDULERS}
+    if sys.argv[3:] == ["all"]:
+        combos = [(m, k) for m in MODES for k in SCHEDULERS]
+    else:
+        combos = [(MODES[i % len(MODES)], k) for i, k in enumerate(SCHEDULERS)]
+    results = {f"{m}/{k}": run(root, m, k, phase) for m, k in combos}
     if dist.rank() == 0:
         print("RESULT " + json.dumps(results), flush=True)
     torch_dist.barrier()  # no rank leaves while another is still in the group
