@@ -30,7 +30,7 @@ from typing import Any
 
 from dcpkit.console import summary
 from dcpkit.layout import parse_step, step_name
-from dcpkit.storage.markers import fresh, read_record, readable
+from dcpkit.storage.markers import MAX_RECORD, fresh, read_record, readable
 
 logger = logging.getLogger(__name__)
 
@@ -109,10 +109,10 @@ def _deleting_record(store: Any, name: str) -> dict[str, Any] | None:
     marker = f"{HOLDS}/{DELETING}{name}.json"
     record = read_record(store, marker)
     if record is None:  # being written (there, undecided), or no file that could be one
-        return {} if store.exists(marker) and readable(store, marker) else None
+        return {} if readable(store, marker) else None
     started = record.get("started")
-    fresh = isinstance(started, int | float) and time.time() - started < STALE_DELETING_S
-    return record if fresh else None
+    recent = isinstance(started, int | float) and time.time() - started < STALE_DELETING_S
+    return record if recent else None
 
 
 def being_deleted(store: Any, name: str, wait_s: float = 30.0) -> bool:
@@ -156,16 +156,16 @@ def delete_unless_held(store: Any, step: int, delete: Callable[[str], None]) -> 
             store.remove_empty_folder(HOLDS)
 
 
-def _not_a_decision(store: Any, name: str, step: int) -> str | None:
+def _not_a_decision(store: Any, name: str, step: int, newest: int | None) -> str | None:
     """What is wrong with ``kept-step-N.json`` as retention's record of keeping step ``step``
-    for a reader (None: it is one, and the step is not the newest published step)."""
+    for a reader (None: it is one, and the step is older than ``newest``, the newest published
+    step)."""
     record = read_record(store, f"{HOLDS}/{name}")
     if record is None:
-        return "not a JSON record of at most 64 KiB"
+        return f"not a JSON record of at most {MAX_RECORD // 1024} KiB"
     if record.get("by") != "retention" or record.get("step") != step:
         return f"it does not name step {step} as kept by retention"
-    published = store.published_steps()
-    if published and step >= max(published):
+    if newest is not None and step >= newest:
         return f"step-{step} is the newest published step, which retention never deletes"
     return None
 
@@ -244,11 +244,14 @@ class Hold:
             names = self.store.list_names(HOLDS)
         except Exception:  # the next save's retention deletes them
             return
+        newest: list[int | None] = []  # the folder's newest step, listed once if needed
         for name in names:
             step = parse_step(name.removeprefix(KEPT).removesuffix(".json"))
             if not name.startswith(KEPT) or step is None or not released(step):
                 continue
-            problem = _not_a_decision(self.store, name, step)
+            if not newest:
+                newest.append(max(self.store.published_steps(), default=None))
+            problem = _not_a_decision(self.store, name, step, newest[0])
             if problem is not None:
                 where = self.store.location(f"{HOLDS}/{name}")
                 logger.warning("checkpoint: %s is no decision of retention (%s)", where, problem)
