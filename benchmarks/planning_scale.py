@@ -25,7 +25,9 @@ entries of its own chunks from it: ``DcpIndex.metadata``) and instead of the che
 of them, read from the index: ``index_problems``, the data files stood in by sparse files of
 their true sizes).
 
-Each cell runs in a process of its own (its peak memory is its own). A cell whose plans hold more
+Each cell runs in a process of its own (its peak memory is its own), forked from one that
+imported torch once (a cell's peak then counts the pages of torch's code it first touches, a
+few MiB, which a process of its own counted at its import). A cell whose plans hold more
 than ``--max-items`` write items in all is not run on this machine: its figures are extrapolated
 linearly from the measured cells of the same model (what one rank pays with the index, which
 does not grow linearly, along a log-log fit of them), and marked so. Replicated write items (the
@@ -39,12 +41,14 @@ import argparse
 import io
 import json
 import math
+import os
 import pickle
 import re
 import struct
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 FLAVORS = {  # dim, layers, heads, kv heads, FFN hidden (TorchTitan's Llama 3 flavors)
@@ -750,16 +754,53 @@ def _slope(points: list[tuple[int, float]]) -> float:
     return _fit(pts)[1] if len(pts) >= 2 else float("nan")
 
 
+def _cell_result(spec: str) -> dict:
+    flavor, world, stock, *kind = spec.split(":")
+    if kind:
+        return described_cell(flavor, int(world), stock == "1", kind[0] == "described-verify")
+    return cell(flavor, int(world), stock == "1")
+
+
+def _preload() -> None:
+    """What every cell imports, imported once here: each cell's process is forked from this
+    one, so it starts with torch imported instead of paying its import (~3 s) again."""
+    import numpy  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import xxhash  # noqa: F401
+    from torch.distributed.checkpoint import default_planner, filesystem  # noqa: F401
+
+    from dcpkit.engine import described, described_write, plan_seed, planning  # noqa: F401
+    from dcpkit.formats import dcp_index, dcp_index_write, structure  # noqa: F401
+
+
 def _run_cell(spec: str, what: str) -> dict | None:
-    """One cell in a process of its own (its peak memory is its own); None when it failed."""
-    proc = subprocess.run(
-        [sys.executable, __file__, "--_cell", spec], capture_output=True, text=True
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        print(f"{what} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+    """One cell in a process of its own (its peak memory is its own, measured from its start),
+    forked from this one; None when it failed (its traceback on stderr)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the cell's process
+        os.close(read_end)
+        status = 1
+        try:
+            data = json.dumps(_cell_result(spec)).encode()
+            with os.fdopen(write_end, "wb") as sink:
+                sink.write(data)
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as source:
+        data = source.read()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0 or not data:
+        print(f"{what} failed (status {os.waitstatus_to_exitcode(status)})", file=sys.stderr)
         return None
-    return json.loads(line[len("RESULT ") :])
+    return json.loads(data)
 
 
 def main() -> int:
@@ -799,14 +840,10 @@ def main() -> int:
     parser.add_argument("--png", type=Path, help="plot (default: next to --json)")
     parser.add_argument("--_cell", help=argparse.SUPPRESS)
     opts = parser.parse_args()
-    if opts._cell:
-        flavor, world, stock, *kind = opts._cell.split(":")
-        if kind:
-            out = described_cell(flavor, int(world), stock == "1", kind[0] == "described-verify")
-        else:
-            out = cell(flavor, int(world), stock == "1")
-        print("RESULT " + json.dumps(out), flush=True)
+    if opts._cell:  # one cell alone, in this process (its figures as JSON)
+        print("RESULT " + json.dumps(_cell_result(opts._cell)), flush=True)
         return 0
+    _preload()
     models = [m.strip() for m in opts.models.split(",") if m.strip()]
     for m in models:
         if m not in FLAVORS:
