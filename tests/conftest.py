@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -235,20 +236,36 @@ def process_group():
     torch_dist.destroy_process_group()
 
 
+def trained_once(tmp_path_factory, name: str, *overrides: str) -> Path:
+    """The reference trainer on 2 ranks with ``overrides``, trained once for the whole suite:
+    under xdist the first worker that needs it trains it into a folder the workers share (the
+    others wait on its lock), and each worker gets a copy of its own, so that what one worker's
+    tests do in it (a reader's hold markers) never shows in the other's."""
+    dump = tmp_path_factory.mktemp(name)
+    if not os.environ.get("PYTEST_XDIST_TESTRUNUID"):
+        run_train(2, dump, *overrides)
+        return dump
+    shared = tmp_path_factory.getbasetemp().parent / f"trained-{name}"  # the workers' common root
+    with open(f"{shared}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / ".trained").exists():
+            shutil.rmtree(shared, ignore_errors=True)
+            run_train(2, shared, *overrides)
+            (shared / ".trained").write_text("")
+    shutil.copytree(shared, dump, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".trained"))
+    return dump
+
+
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> Path:
     """2 ranks, 20 steps, checkpoints every 5 steps."""
-    dump = tmp_path_factory.mktemp("reference")
-    run_train(2, dump)
-    return dump
+    return trained_once(tmp_path_factory, "reference")
 
 
 @pytest.fixture(scope="session")
 def stopped_run(tmp_path_factory) -> Path:
     """The same run, stopped after step 10 (a full checkpoint is written there)."""
-    dump = tmp_path_factory.mktemp("stopped")
-    run_train(2, dump, "--training.stop_at_step", "10")
-    return dump
+    return trained_once(tmp_path_factory, "stopped", "--training.stop_at_step", "10")
 
 
 def read_manifest(step_folder: Path) -> dict:
