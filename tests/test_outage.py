@@ -235,7 +235,7 @@ def test_a_load_that_loses_its_store_fails_on_every_rank_together(weed_proxy, tm
     states = sorted(x for x in saved.stdout.splitlines() if x.startswith("STATE"))
     clean, total = _load_run(folder, endpoint, 60, tmp_path, weed_proxy)
     assert [x.split()[:4] for x in clean] == [x.split()[:4] for x in states], (clean, states)
-    retry_s = 8
+    retry_s = 4
     for cut_at in (total // 8, total // 2):
         start = time.monotonic()
         lines, _ = _load_run(folder, endpoint, retry_s, tmp_path, weed_proxy, cut_at)
