@@ -125,8 +125,18 @@ class ModelState:
             set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
 
 
+EMPTY_GROUPS = "empty_param_groups"
+
+
 class OptimizerState:
-    """Optimizer state flattened by parameter name, so it reshards like the parameters."""
+    """Optimizer state flattened by parameter name, so it reshards like the parameters.
+
+    torch's flattened layout keeps a parameter group's settings under its parameters' names
+    (``param_groups.<fqn>.lr``), so a group without parameters (a LoRA run's no-decay group)
+    has none, and torch cannot load such a state back. Each empty group's settings are saved
+    under ``empty_param_groups.<optimizer>.<group>.<name>`` instead, and the load sets the
+    groups that have parameters through torch, then puts the empty ones back in their places
+    with their saved settings."""
 
     _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -147,13 +157,57 @@ class OptimizerState:
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
-        for collector in self._collectors:
-            merged.update(collector.state_dict())
+        for i, collector in enumerate(self._collectors):
+            opt = self.optimizers[i]
+            _check_groups(self.parts[i], opt)
+            if any(group["params"] for group in opt.param_groups):
+                merged.update(collector.state_dict())
+            for g, group in _empty_groups(opt):
+                for name, value in group.items():
+                    if name != "params":
+                        merged[f"{EMPTY_GROUPS}.{i}.{g}.{name}"] = value
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for part, opt in zip(self.parts, self.optimizers):
-            set_optimizer_state_dict(part, opt, state_dict, options=self._OPTIONS)
+        for i, (part, opt) in enumerate(zip(self.parts, self.optimizers)):
+            empty = _empty_groups(opt)
+            if not empty:
+                set_optimizer_state_dict(part, opt, state_dict, options=self._OPTIONS)
+                continue
+            opt.param_groups[:] = [group for group in opt.param_groups if group["params"]]
+            try:
+                if opt.param_groups:
+                    set_optimizer_state_dict(part, opt, state_dict, options=self._OPTIONS)
+            finally:  # loaded or not, every group back in its place
+                for g, group in empty:
+                    for name in group:
+                        key = f"{EMPTY_GROUPS}.{i}.{g}.{name}"
+                        if name != "params" and key in state_dict:
+                            group[name] = state_dict[key]
+                    opt.param_groups.insert(g, group)
+
+
+def _check_groups(part: nn.Module, optimizer: Any) -> None:
+    """Refuses, at the save, an optimizer whose state could not be loaded back: one holding a
+    parameter that is not the model's (its state would have no name in the checkpoint)."""
+    from dcpkit.errors import CheckpointError
+
+    own = {id(p) for p in part.parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if id(param) not in own:
+                raise CheckpointError(
+                    f"the optimizer's parameter group {g} holds a parameter of shape "
+                    f"{tuple(param.shape)} that is not a parameter of the model it is saved "
+                    "with: its state would have no name in the checkpoint and could not be "
+                    "loaded back. Give the optimizer the model's own parameters (or register "
+                    "the tensor in the model, e.g. as an nn.Parameter attribute)"
+                )
+
+
+def _empty_groups(optimizer: Any) -> list[tuple[int, dict[str, Any]]]:
+    """(index, group) of each parameter group of ``optimizer`` that holds no parameter."""
+    return [(g, group) for g, group in enumerate(optimizer.param_groups) if not group["params"]]
 
 
 class SchedulerState:
