@@ -5,7 +5,8 @@ a tiny Llama with attention dropout, a shuffled dataset, 2 micro-batches per ste
 
 Prints ``loss RANK STEP MICRO VALUE`` for every micro-batch (each rank's, to the last bit).
 ASYNC_MODE sets dcpkit's ``async_mode``; TRAINER=own uses the Trainer's own saves;
-TRAINER=sft trains with TRL's ``SFTTrainer`` (a pre-tokenized dataset, a small tokenizer).
+TRAINER=sft trains with TRL's ``SFTTrainer`` (a pre-tokenized dataset, a small tokenizer);
+LORA=1 trains PEFT LoRA adapters of the model instead of the model.
 """
 
 import os
@@ -74,6 +75,11 @@ config = LlamaConfig(
 )  # fmt: skip
 model = LlamaForCausalLM(config)
 model.config._attn_implementation = "eager"
+if os.environ.get("LORA"):  # a LoRA fine-tune: the Trainer's no-decay parameter group is empty
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    model = get_peft_model(model, lora)
 args = TrainingArguments(
     output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
     max_steps=14, save_strategy="steps", save_steps=3, logging_steps=1, learning_rate=1e-3,
