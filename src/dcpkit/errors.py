@@ -67,3 +67,33 @@ def describe_error(e: BaseException) -> str:
         if isinstance(e, ValueError | OSError | RuntimeError | CLIError)
         else (f"{type(e).__name__}: {text}")
     )
+
+
+_TRANSIENT_NAMES = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ClientConnectorError",
+    "ClientOSError",
+    "ServerDisconnectedError",
+    "ServerTimeoutError",
+}
+_TRANSIENT_WORDS = ("slowdown", "throttl", "requesttimeout", "service unavailable", "503")
+
+
+def transient(e: BaseException) -> bool:
+    """An error worth retrying: the store did not answer, reset the connection, or throttled."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, ConnectionError | TimeoutError) or type(e).__name__ in _TRANSIENT_NAMES:
+            return True
+        if isinstance(e, OSError) and e.errno == errno.EIO:  # a network file system's failure
+            return True
+        text = str(e).lower()
+        if any(w in text for w in _TRANSIENT_WORDS) or any(
+            n.lower() in text for n in _TRANSIENT_NAMES
+        ):
+            return True
+        e, seen = (e.__cause__ or e.__context__), seen + 1  # type: ignore[assignment]
+    return False

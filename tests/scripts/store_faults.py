@@ -16,9 +16,11 @@ The ways in (MODES):
 
 Once an attempt completes, the last failure is made again with ``storage_retry_s`` 5: the
 operation must try again and complete. The operations counted are the store's (list, stat,
-read, checksum, write, remove, publish) and DCP's writes, made by the training thread or the
-background writer; the hold against retention (best effort by design: a reader that cannot
-hold its step reads it without one) is left alone. Every collective has a deadline: a rank
+read, checksum, write, remove, publish), a load's opening of each data file (a failure there is
+the store's, never a corrupt step: ``load-fallback`` must not fall back on it) and DCP's writes,
+made by the training thread, the background writer or a load's reading threads; the hold
+against retention (best effort by design: a reader that cannot hold its step reads it without
+one) is left alone. Every collective has a deadline: a rank
 left waiting for another fails the run instead of hanging it.
 """
 
@@ -37,10 +39,12 @@ from torch.distributed.fsdp import fully_shard
 
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager, dist
 from dcpkit.engine.async_save import AsyncSaveError
+from dcpkit.formats.dcp_reader import LocalFiles
 from dcpkit.storage.local import LocalPending, LocalStore, StepFileWriter
 
 OPERATIONS = {
     LocalStore: ("list_names", "stat", "open_read", "checksum", "write_bytes", "remove", "delete"),
+    LocalFiles: ("open",),  # a load's data files, read by its reading threads
     LocalPending: ("prepare", "own_files", "describe", "write_manifest", "write_file", "_commit"),
     StepFileWriter: ("write_data",),
 }
@@ -48,6 +52,9 @@ calls = {"n": 0, "fail_at": 0, "failed": "", "rank": -1}
 # The readers' holds and their records, read as markers (a failed read is no record): not armed.
 MARKERS = ("dcpkit.storage.holds.", "dcpkit.storage.markers.read_record")
 MARKERS += ("dcpkit.storage.markers.readable",)
+
+
+THREADS = ("dcpkit-writer", "dcpkit-read")  # besides the training thread
 
 
 def callers() -> list[str]:
@@ -67,7 +74,7 @@ def inject() -> None:
 
             def failing(self, *args, _original=original, _name=name, **kwargs):  # type: ignore[no-untyped-def]
                 thread = threading.current_thread()
-                if thread is threading.main_thread() or thread.name.startswith("dcpkit-writer"):
+                if thread is threading.main_thread() or thread.name.startswith(THREADS):
                     chain = callers()
                     if not any(c.startswith(MARKERS) for c in chain):
                         calls["n"] += 1

@@ -12,8 +12,8 @@ from typing import Any
 from dcpkit import dist
 from dcpkit.config import CheckpointConfig, ConfigError
 from dcpkit.console import summary
-from dcpkit.engine.publish import StepInfo, retrying_alone, save_failure, transient
-from dcpkit.errors import CheckpointError
+from dcpkit.engine.publish import StepInfo, retrying_alone, save_failure
+from dcpkit.errors import CheckpointError, transient
 from dcpkit.layout import parse_step
 from dcpkit.storage.opening import local_path
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcpkit import dist, failpoints
 from dcpkit.engine.policy import steps_to_delete
-from dcpkit.errors import CheckpointError, disk_full, first_failure
+from dcpkit.errors import CheckpointError, disk_full, first_failure, transient
 from dcpkit.formats.dcp_index_write import encode_index
 from dcpkit.layout import METADATA, METADATA_INDEX, step_name
 from dcpkit.manifest import CHECKSUM_ALGORITHM, build_manifest
@@ -56,6 +56,8 @@ class StepInfo:
     """The model's family and config.json, recorded in the manifest (see ``build_manifest``)."""
     name: str | None = None
     """The name it is published under; None: ``step-N`` (a framework names its own)."""
+    best: int | None = None
+    """A step retention keeps beside the newest (the Trainer's best model): ``steps_to_delete``."""
 
 
 @dataclass
@@ -191,7 +193,7 @@ def _retention(store: Any, info: StepInfo, delete_now: bool) -> list[int]:
     with ``delete_now``). A store that fails here fails no save: the step is published, and the
     next save's retention deletes them."""
     try:
-        doomed = steps_to_delete(store.published_steps(), info.keep_latest_k)
+        doomed = steps_to_delete(store.published_steps(), info.keep_latest_k, info.best)
         if delete_now:
             delete_steps(store, doomed)
     except Exception as e:
@@ -238,19 +240,6 @@ def _raise_if(failure: tuple[str, bool] | None) -> None:
         raise _Failure(*failure)
 
 
-_TRANSIENT_NAMES = {
-    "EndpointConnectionError",
-    "ConnectTimeoutError",
-    "ReadTimeoutError",
-    "ConnectionClosedError",
-    "ClientConnectorError",
-    "ClientOSError",
-    "ServerDisconnectedError",
-    "ServerTimeoutError",
-}
-_TRANSIENT_WORDS = ("slowdown", "throttl", "requesttimeout", "service unavailable", "503")
-
-
 def retrying_alone(fn: Callable[[], T], retry_s: float) -> T:
     """``fn()`` in this process alone (no other rank waits on each try), tried again with
     backoff while it fails with a ``transient`` error and ``retry_s`` seconds have not passed."""
@@ -264,21 +253,6 @@ def retrying_alone(fn: Callable[[], T], retry_s: float) -> T:
             logger.warning("checkpoint: %s; retrying in %.0fs", e, delay)
             time.sleep(delay)
             delay = min(2 * delay, 30.0)
-
-
-def transient(e: BaseException) -> bool:
-    """An error worth retrying: the store did not answer, reset the connection, or throttled."""
-    seen = 0
-    while e is not None and seen < 8:
-        if isinstance(e, ConnectionError | TimeoutError) or type(e).__name__ in _TRANSIENT_NAMES:
-            return True
-        text = str(e).lower()
-        if any(w in text for w in _TRANSIENT_WORDS) or any(
-            n.lower() in text for n in _TRANSIENT_NAMES
-        ):
-            return True
-        e, seen = (e.__cause__ or e.__context__), seen + 1  # type: ignore[assignment]
-    return False
 
 
 def save_failure(e: BaseException, info: StepInfo, state: dict[str, Any]) -> str:

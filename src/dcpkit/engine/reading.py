@@ -14,9 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcpkit import dist
-from dcpkit.engine.publish import transient
 from dcpkit.engine.together import OTHER, TRANSIENT, failure_of, raise_failure
-from dcpkit.errors import CheckpointError, CorruptCheckpoint, first_failure
+from dcpkit.errors import CheckpointError, CorruptCheckpoint, first_failure, transient
 from dcpkit.formats.dcp_index import DcpIndex, bound_index
 from dcpkit.formats.dcp_reader import DirectFileSystemReader
 from dcpkit.layout import METADATA, METADATA_INDEX
@@ -80,7 +79,7 @@ def load_into(
     errors = [(r, e, k) for r, (e, _, _, k) in enumerate(outcomes) if e is not None]
     if errors:
         rank, first, kind = errors[0]
-        where = f" (rank {rank})" if gather and rank != dist.rank() else ""
+        where = f" (rank {rank})" if gather and dist.world_size() > 1 else ""  # the same on all
         raise_failure(f"{first}{where}", kind)
     found = sorted({p for _, part, _, _ in outcomes for p in part})
     if found:

@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from dcpkit import dist
-from dcpkit.engine.publish import transient
-from dcpkit.errors import CheckpointError, CorruptCheckpoint, describe_error
+from dcpkit.errors import CheckpointError, CorruptCheckpoint, describe_error, transient
 from dcpkit.readers import open_reading
 from dcpkit.storage import open_location
 from dcpkit.storage.holds import letting_go

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from dcpkit.dist import io_threads
-from dcpkit.errors import CorruptCheckpoint
+from dcpkit.errors import CorruptCheckpoint, transient
 from dcpkit.formats import shared_read, torchfile
 from dcpkit.formats.dcp_index import Region
 from dcpkit.formats.rules import open_record, record_problem, storage_entry_problem
@@ -127,6 +127,8 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         with torch.no_grad(), contextlib.ExitStack() as stack:
             share.run(planner, stack)
         self.bytes_read += share.bytes_read
+        if share.unavailable:  # the store's failure on some rank's read, not the bytes'
+            raise ConnectionError("; ".join(share.unavailable[:3]))
         self.problems += share.problems
         if share.failed and not self.checksums:
             raise ValueError("; ".join(share.failed[:3]))
@@ -146,6 +148,8 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         try:
             fn(*args)
         except (ValueError, OSError) as e:  # reported with the checksum problems
+            if transient(e):  # the store's failure, retried by the load: never corruption
+                raise
             self.problems.append(Problem("", f"read failed: {e}"))
 
     def _verify_file(self, name: str, run: list[tuple[str, int, int, Any]], planner: Any) -> None:

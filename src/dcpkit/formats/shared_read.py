@@ -32,10 +32,12 @@ import xxhash
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from dcpkit import dist
+from dcpkit.errors import transient
 from dcpkit.manifest import Problem
 
 BATCH = 256 << 20
 SHARE_ABOVE = float(os.environ.get("DCPKIT_SHARE_ABOVE", "0.25"))
+UNAVAILABLE = 2  # a buffer's last byte: its reader's store did not answer (1: unreadable)
 """Records are shared when reading them rank by rank would read more than this fraction of the
 stored bytes twice (DDP, HSDP: all of them, once per extra replica); below it (FSDP, and a load
 at another layout: each rank its own rows, and a few replicated values read by all), each rank
@@ -132,6 +134,7 @@ class SharedRead:
             self.items[(rel, offset, length)].append(item)
         self.problems: list[Problem] = []
         self.failed: list[str] = []
+        self.unavailable: list[str] = []  # the store's transient failures: retried, not corrupt
         self.bytes_read = 0
         self.hashes: dict[str, list[Any]] = {}  # verified file -> [handle, size, hash, pos]
 
@@ -147,7 +150,7 @@ class SharedRead:
                 opening = self.reader.files.open(name, recs, whole, len(names))
                 f, _, size = stack.enter_context(opening)
             except Exception as e:  # its records go out marked: no rank is left waiting
-                self.failed.append(f"{name}: {e}")
+                self._failed(f"{name}: {e}", e)
                 continue
             opened[name] = f
             if whole:
@@ -182,6 +185,9 @@ class SharedRead:
             if self.me not in self.need[rec]:
                 continue
             buf = bufs[rec]
+            if int(buf[-1]) == UNAVAILABLE:  # its reader's store did not answer
+                self.unavailable.append(f"{rec[0]}: the store did not answer the read at {rec[1]}")
+                continue
             if int(buf[-1]):  # its reader could not read it
                 self.failed.append(f"{rec[0]}: the bytes at {rec[1]} could not be read")
                 continue
@@ -212,9 +218,16 @@ class SharedRead:
                 state[2].update(view)
                 state[3] = offset + length
         except Exception as e:  # reported once every transfer has run
-            buf[-1] = 1
-            self.failed.append(f"{name}: {e}")
+            buf[-1] = UNAVAILABLE if self._failed(f"{name}: {e}", e) else 1
         return buf
+
+    def _failed(self, message: str, e: BaseException) -> bool:
+        """Records a read that failed: as the store's (``transient``: True) or the file's."""
+        if transient(e):
+            self.unavailable.append(message)
+            return True
+        self.failed.append(message)
+        return False
 
     def _hash(self, f: Any, h: Any, start: int, stop: int) -> int:
         if stop > start:
