@@ -73,6 +73,7 @@ class CheckpointManager:
         self.rank, self.world_size = dist.rank(), dist.world_size()
         self.last_saved_step: int | None = None
         self.loaded_step: int | None = None
+        self.best_step: int | None = None  # kept by retention beside the newest (``policy``)
         self._resumed_from: int | None = None  # a full load of this folder's step: see save()
         writes = config.enable and not config.load_only
         self._check_use = writes  # a save before any load(): the folder must hold no later step
@@ -265,6 +266,7 @@ class CheckpointManager:
             retry_s=self.config.storage_retry_s,
             previous=self.last_saved_step,
             model=self.hf_model.record() if hasattr(self.hf_model, "record") else None,
+            best=self.best_step,
         )
 
     def wait(self) -> None:

@@ -32,12 +32,17 @@ def should_save(
     return step % interval == 0
 
 
-def steps_to_delete(published: list[int], keep_latest_k: int) -> list[int]:
-    """The oldest published steps beyond the newest ``keep_latest_k`` (0 keeps all)."""
+def steps_to_delete(published: list[int], keep_latest_k: int, best: int | None = None) -> list[int]:
+    """The oldest published steps beyond the newest ``keep_latest_k`` (0 keeps all). A
+    ``best`` step (the Trainer's best model) is kept as the Trainer keeps it: counted as the
+    newest but one, so ``keep_latest_k`` steps are kept, the newest and the best among them."""
     if keep_latest_k <= 0:
         return []
     ordered = sorted(published)
-    return ordered[:-keep_latest_k] if len(ordered) > keep_latest_k else []
+    if best in ordered and len(ordered) >= 2:
+        ordered.remove(best)
+        ordered.insert(len(ordered) - 1 if ordered[-1] > best else len(ordered), best)
+    return sorted(ordered[:-keep_latest_k]) if len(ordered) > keep_latest_k else []
 
 
 @dataclass(frozen=True)

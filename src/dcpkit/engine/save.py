@@ -104,7 +104,7 @@ def write_hf_step(info: StepInfo, state: dict[str, Any], hf: HFCodec) -> Publish
         )
         pending.write_manifest(manifest)
         pending.publish()
-        doomed = steps_to_delete(store.published_steps(), info.keep_latest_k)
+        doomed = steps_to_delete(store.published_steps(), info.keep_latest_k, info.best)
     dist.barrier()
     return Published(0.0, doomed)
 
