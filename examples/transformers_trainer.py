@@ -2,11 +2,16 @@
 a tiny Llama with attention dropout, a shuffled dataset, 2 micro-batches per step.
 
     torchrun --nproc-per-node 2 examples/transformers_trainer.py OUTPUT_DIR [STOP_AT] [--resume]
+        [--last-checkpoint]
 
-Prints ``loss RANK STEP MICRO VALUE`` for every micro-batch (each rank's, to the last bit).
+``--last-checkpoint`` resumes as transformers' example scripts do, from the ``checkpoint-N`` that
+``get_last_checkpoint(OUTPUT_DIR)`` finds. Prints ``loss RANK STEP MICRO VALUE`` for every
+micro-batch (each rank's, to the last bit).
 ASYNC_MODE sets dcpkit's ``async_mode``; TRAINER=own uses the Trainer's own saves;
 TRAINER=sft trains with TRL's ``SFTTrainer`` (a pre-tokenized dataset, a small tokenizer);
-LORA=1 trains PEFT LoRA adapters of the model instead of the model.
+LORA=1 trains PEFT LoRA adapters of the model instead of the model; EVAL=1 evaluates at each
+save (``metric_for_best_model``) and ends with the best step's model, written to
+OUTPUT_DIR/final-model.pt.
 """
 
 import os
@@ -80,13 +85,19 @@ if os.environ.get("LORA"):  # a LoRA fine-tune: the Trainer's no-decay parameter
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
     model = get_peft_model(model, lora)
+evaluate = {}  # EVAL: evaluated at each save; the best step's model loaded at the end
+if os.environ.get("EVAL"):
+    evaluate = {"eval_strategy": "steps", "eval_steps": 3, "load_best_model_at_end": True,
+                "metric_for_best_model": "eval_loss", "greater_is_better": True}  # fmt: skip
 args = TrainingArguments(
     output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
     max_steps=14, save_strategy="steps", save_steps=3, logging_steps=1, learning_rate=1e-3,
     seed=0, report_to=[], use_cpu=True, disable_tqdm=True, ddp_backend="gloo",
-    save_total_limit=int(os.environ.get("SAVE_TOTAL_LIMIT", "0")) or None,
+    save_total_limit=int(os.environ.get("SAVE_TOTAL_LIMIT", "0")) or None, **evaluate,
 )  # fmt: skip
 kwargs = {"model": model, "args": args, "train_dataset": Tokens(), "callbacks": [StopAt()]}
+if os.environ.get("EVAL"):
+    kwargs["eval_dataset"] = Tokens()
 dcpkit_config = CheckpointConfig(async_mode=os.environ.get("ASYNC_MODE", "disabled"))
 if kind == "own":
     trainer = OwnTrainer(**kwargs)
@@ -110,5 +121,12 @@ elif kind == "sft":
     trainer = DcpkitSFTTrainer(**kwargs, processing_class=tokenizer, dcpkit_config=dcpkit_config)
 else:
     trainer = DcpkitTrainer(**kwargs, dcpkit_config=dcpkit_config)
-trainer.train(resume_from_checkpoint=True if resume else None)
+if "--last-checkpoint" in sys.argv:  # how transformers' example scripts (run_clm.py) resume
+    from transformers.trainer_utils import get_last_checkpoint
+
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(out) if os.path.isdir(out) else None)
+else:
+    trainer.train(resume_from_checkpoint=True if resume else None)
+if os.environ.get("EVAL") and trainer.args.process_index == 0:  # the weights the run ends with
+    torch.save(trainer.model.state_dict(), os.path.join(out, "final-model.pt"))
 torch.distributed.barrier()

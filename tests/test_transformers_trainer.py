@@ -51,11 +51,19 @@ def test_trainer_resumes_bitwise_after_a_stop_mid_epoch_and_a_kill_mid_save(trai
     first, _ = trainer_run(out, "9", env=limit)
     assert {s for _, s, _ in first} == set(range(1, 10))
     assert steps_of(out / "checkpoint") == ["step-6", "step-9"]
-    resumed, log = trainer_run(out, "--resume", env=limit)
+    # links where the Trainer's conventions look: only to the steps retention kept
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-9"]
+    assert (out / "checkpoint-9").resolve() == (out / "checkpoint" / "step-9").resolve()
+    refused = trainer_run(out, env=limit, ok=False)[1]  # a fresh start on the run's folder
+    assert "resume_from_checkpoint=True" in refused and "get_last_checkpoint" in refused
+    assert steps_of(out / "checkpoint") == ["step-6", "step-9"]  # nothing trained or deleted
+    # resumed as transformers' example scripts resume: get_last_checkpoint(output_dir)
+    resumed, log = trainer_run(out, "--last-checkpoint", env=limit)
     assert "loaded" in log and "step-9" in log
     assert {s for _, s, _ in resumed} == set(range(10, 15))
     assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
     assert steps_of(out / "checkpoint") == ["step-12", "step-14"]  # save_total_limit = 2
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-14"]
     # SIGKILL in the middle of step 12's background write (async_with_pinned_mem)
     out, pinned = tmp_path / "killed", {"ASYNC_MODE": "async_with_pinned_mem"}
     trainer_run(out, env={**pinned, "DCPKIT_FAILPOINT": "mid_write:12"}, ok=False)
@@ -65,6 +73,41 @@ def test_trainer_resumes_bitwise_after_a_stop_mid_epoch_and_a_kill_mid_save(trai
     assert {s for _, s, _ in resumed} == set(range(10, 15))  # never from the killed save
     assert [k for k, v in resumed.items() if full[k] != v] == []
     assert cli("verify", str(out / "checkpoint" / "step-14")).returncode == 0
+
+
+@pytest.mark.dist
+def test_a_run_saved_by_the_trainer_itself_resumes_through_the_mixin(trainer_full, tmp_path):
+    """Earlier checkpoints that are the Trainer's own ``checkpoint-N`` folders: the mixin's
+    ``resume_from_checkpoint=True`` (no dcpkit step yet) and a ``checkpoint-N`` path resume
+    from them with the Trainer's own load; dcpkit saves from then on, beside them."""
+    full, _ = trainer_full
+    out = tmp_path / "own"
+    first, _ = trainer_run(out, "9", env={"TRAINER": "own"})
+    assert (out / "checkpoint-9").is_dir() and not (out / "checkpoint-9").is_symlink()
+    resumed, log = trainer_run(out, "--resume")
+    assert "resuming from the Trainer's own" in log and "checkpoint-9" in log
+    assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
+    assert steps_of(out / "checkpoint") == ["step-12", "step-14"]
+    assert (out / "checkpoint-9").is_dir() and (out / "checkpoint-14").is_symlink()
+
+
+@pytest.mark.dist
+def test_the_best_checkpoint_survives_save_total_limit_and_loads_at_the_end(tmp_path):
+    """``metric_for_best_model`` with ``save_total_limit=2`` and ``load_best_model_at_end``:
+    retention keeps the best step beside the newest, as the Trainer does, and the run ends
+    with the best step's weights. (The metric is the eval loss with greater_is_better, so that
+    the best step is the first one evaluated, step 3: an old step retention would delete.)"""
+    from dcpkit.formats.dcp import DCPCheckpoint
+
+    out = tmp_path / "best"
+    _, log = trainer_run(out, env={"EVAL": "1", "SAVE_TOTAL_LIMIT": "2"})
+    assert steps_of(out / "checkpoint") == ["step-3", "step-14"], log[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-14", "checkpoint-3"]
+    final = torch.load(out / "final-model.pt", weights_only=True)
+    with DCPCheckpoint(out / "checkpoint" / "step-3") as best:
+        assert final and all(torch.equal(value, best.read(key)) for key, value in final.items())
+    with DCPCheckpoint(out / "checkpoint" / "step-14") as last:  # not the run's last weights
+        assert not all(torch.equal(value, last.read(key)) for key, value in final.items())
 
 
 @pytest.mark.dist
@@ -173,8 +216,8 @@ def test_the_trainer_mixin_refuses_an_untested_transformers_and_options_it_canno
     assert build(save_total_limit=3).dcpkit_config.keep_latest_k == 3
     with pytest.raises(ConfigError, match="save_total_limit = 1 would delete"):
         build(save_total_limit=1)
-    with pytest.raises(ConfigError, match="load_best_model_at_end"):
-        build(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps")
+    with pytest.raises(CheckpointError, match=r"checkpoint-N of output_dir|not a checkpoint of"):
+        build().train(resume_from_checkpoint=str(tmp_path / "another-run" / "checkpoint-3"))
     check_version(".".join(map(str, TESTED[0])) + ".0")
     with pytest.raises(ConfigError, match=r"tested with trl 1\.16\.x; this is trl 0\.9\.6"):
         check_version("0.9.6", "trl")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,13 +40,17 @@ from transformers import TrainerCallback
 
 from dcpkit import dist
 from dcpkit.config import CheckpointConfig, ConfigError
+from dcpkit.console import summary
 from dcpkit.engine.manager import CheckpointManager
 from dcpkit.engine.states import capture_rng, rank_key, restore_rng
 from dcpkit.engine.together import decided, together
 from dcpkit.errors import CheckpointError
 from dcpkit.formats.dcp import DCPCheckpoint
+from dcpkit.integrations.trainer_folders import TRAINER_STEP, link_steps, trainer_folders
 from dcpkit.layout import step_name
 from dcpkit.storage.opening import local_path, open_store
+
+logger = logging.getLogger(__name__)
 
 TESTED = ((5, 24), (5, 24))
 """The ``transformers`` releases (major, minor), first and last, whose private ``Trainer``
@@ -147,7 +152,6 @@ class DcpkitTrainerMixin:
                     folder.rmdir()
         targs = self.args  # type: ignore[attr-defined]
         refused = [
-            (targs.load_best_model_at_end, "load_best_model_at_end (it reloads a Trainer folder)"),
             (targs.fp16 and not targs.bf16, "fp16 (its gradient scaler's state is not kept)"),
             (targs.save_only_model, "save_only_model (a resume needs the optimizer)"),
             (getattr(self, "is_deepspeed_enabled", False), "DeepSpeed (it saves its own way)"),
@@ -201,43 +205,79 @@ class DcpkitTrainerMixin:
         if resume_from_checkpoint:  # rank 0 chooses the step; every rank fails with it
             store, given = self._store(), resume_from_checkpoint
             step = decided(lambda: self._resume_step(store, given), store.root)
-            where = store.location(step_name(step))
-            resume_from_checkpoint = together(lambda: self._resume_folder(store, step), where)
+            if isinstance(step, str):  # the Trainer's own checkpoint-N folder: its own load
+                summary(logger, f"checkpoint: resuming from the Trainer's own {step}")
+                resume_from_checkpoint = step
+            else:
+                where = store.location(step_name(step))
+                resume_from_checkpoint = together(lambda: self._resume_folder(store, step), where)
+        else:  # starting over where an earlier run saved: refused now, not at the first save
+            store = self._store()
+            steps = decided(store.published_steps, store.root)
+            if steps:
+                raise CheckpointError(
+                    f"{store.root} holds step(s) {', '.join(map(str, steps[-3:]))} of an "
+                    "earlier run and train() starts over: resume it with "
+                    "trainer.train(resume_from_checkpoint=True) (or the checkpoint-N that "
+                    "transformers.trainer_utils.get_last_checkpoint(output_dir) finds), or give "
+                    "another output_dir"
+                )
         try:
             return super().train(resume_from_checkpoint, *args, **kw)  # type: ignore[misc]
         finally:
             if self._dcpkit is not None:  # its last save written and published
                 self._dcpkit.close()
+                self._link(self._dcpkit, None)
                 self._dcpkit = None
 
-    def _resume_step(self, store: Any, resume_from_checkpoint: Any) -> int:
-        """The step ``resume_from_checkpoint`` names: True, the newest published one."""
+    def _resume_step(self, store: Any, resume_from_checkpoint: Any) -> int | str:
+        """The step ``resume_from_checkpoint`` names: True, the newest published one (or, when
+        there is none, the Trainer's own newest ``checkpoint-N`` folder, as a path). A
+        ``checkpoint-N`` of ``output_dir`` names step N (``get_last_checkpoint`` finds the
+        links this mixin keeps there); one that is the Trainer's own folder is its path."""
+        out = local_path(str(self.args.output_dir))  # type: ignore[attr-defined]
         if resume_from_checkpoint is True:
             steps = store.published_steps()
-            if not steps:
+            if steps:
+                return steps[-1]
+            theirs = trainer_folders(out)
+            if theirs:
+                return str(theirs[-1])
+            raise CheckpointError(
+                f"resume_from_checkpoint=True, but {store.root} holds no published step"
+                + (f" and {out} no checkpoint-N folder" if out is not None else "")
+            )
+        name = str(resume_from_checkpoint).rstrip("/").rsplit("/", 1)[-1]
+        trainer_name = TRAINER_STEP.fullmatch(name)
+        if trainer_name and out is not None:
+            given = Path(str(resume_from_checkpoint))
+            if given.parent.resolve() != out.resolve():
                 raise CheckpointError(
-                    f"resume_from_checkpoint=True, but {store.root} holds no published step"
+                    f"resume_from_checkpoint={str(resume_from_checkpoint)!r} is not a "
+                    f"checkpoint of this run's output_dir {out}: give True or one of its "
+                    "checkpoint-N folders"
                 )
-            step = steps[-1]
+            if given.is_dir() and not given.is_symlink():  # the Trainer's own save
+                return str(given)
+            name = step_name(int(trainer_name.group(1)))
+            resume_from_checkpoint = store.location(name)
+        if not name.startswith("step-") or not name[5:].isdigit():
+            raise CheckpointError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r}: give True, a step-N "
+                f"folder of {store.root} or a checkpoint-N of output_dir"
+            )
+        step = int(name[5:])
+        given, own = str(resume_from_checkpoint), store.location(step_name(step))
+        mine = local_path(own)
+        if mine is None:
+            same = given.rstrip("/") == own
         else:
-            name = str(resume_from_checkpoint).rstrip("/").rsplit("/", 1)[-1]
-            if not name.startswith("step-") or not name[5:].isdigit():
-                raise CheckpointError(
-                    f"resume_from_checkpoint={resume_from_checkpoint!r}: give True or a "
-                    f"step-N folder of {store.root}"
-                )
-            step = int(name[5:])
-            given, own = str(resume_from_checkpoint), store.location(step_name(step))
-            mine = local_path(own)
-            if mine is None:
-                same = given.rstrip("/") == own
-            else:
-                same = Path(given).resolve() == mine.resolve()
-            if not same:  # a step of another folder: never this folder's step of that number
-                raise CheckpointError(
-                    f"resume_from_checkpoint={given!r} is not a step of this run's folder "
-                    f"{store.root}: give True or one of its step-N folders"
-                )
+            same = Path(given).resolve() == mine.resolve()
+        if not same:  # a step of another folder: never this folder's step of that number
+            raise CheckpointError(
+                f"resume_from_checkpoint={given!r} is not a step of this run's folder "
+                f"{store.root}: give True or one of its step-N folders"
+            )
         return step
 
     def _resume_folder(self, store: Any, step: int) -> str:
@@ -287,6 +327,27 @@ class DcpkitTrainerMixin:
         manager.load()
         self._dcpkit_rng = capture_rng()  # as saved: the Trainer sets it later, where it wants
 
+    def _link(self, manager: CheckpointManager, step: int | None) -> None:
+        """``checkpoint-N`` links in a local ``output_dir`` (``trainer_folders.link_steps``)."""
+        out, folder = local_path(str(self.args.output_dir)), local_path(manager.folder)  # type: ignore[attr-defined]
+        if out is None or folder is None or not self.args.should_save:  # type: ignore[attr-defined]
+            return
+        try:
+            link_steps(out, folder, step, manager.published_steps())
+        except Exception as e:  # a file system without links: the steps stay step-N only
+            logger.warning("checkpoint: could not link %s/checkpoint-N: %s", out, e)
+
+    def _load_best_model(self) -> None:  # load_best_model_at_end: the best step's model only
+        manager = self.dcpkit_manager()
+        manager.wait()
+        config, best = manager.config, self.state.best_global_step  # type: ignore[attr-defined]
+        saved = config.load_step, config.load_model_only
+        config.load_step, config.load_model_only = best, True
+        try:
+            manager.load()
+        finally:
+            config.load_step, config.load_model_only = saved
+
     def _load_rng_state(self, checkpoint: Any) -> None:
         if not self._resuming(checkpoint):
             super()._load_rng_state(checkpoint)  # type: ignore[misc]
@@ -314,6 +375,8 @@ class DcpkitTrainerMixin:
                 else:
                     state.stateful_callbacks[name] = cb.state()
         manager = self.dcpkit_manager()
-        if state.best_global_step:
+        if state.best_global_step:  # kept by retention as the Trainer keeps it
             state.best_model_checkpoint = manager.step_path(state.best_global_step)
+        manager.best_step = state.best_global_step or None
         manager.save(state.global_step)
+        self._link(manager, state.global_step)
