@@ -9,6 +9,11 @@ def test_steps_to_delete_keeps_the_newest():
     assert steps_to_delete([5, 1, 3, 4, 2], keep_latest_k=2) == [1, 2, 3]
     assert steps_to_delete([1, 2], keep_latest_k=2) == []
     assert steps_to_delete([1, 2, 3], keep_latest_k=0) == []  # 0 keeps all
+    # the best step (the Trainer's) counts as the newest but one: kept with the newest
+    assert steps_to_delete([3, 6, 9, 12], keep_latest_k=2, best=3) == [6, 9]
+    assert steps_to_delete([3, 6, 9, 12], keep_latest_k=3, best=3) == [6]
+    assert steps_to_delete([3, 6, 9, 12], keep_latest_k=2, best=12) == [3, 6]
+    assert steps_to_delete([3, 6, 9, 12], keep_latest_k=2, best=7) == [3, 6]  # not published
 
 
 def test_should_save():
