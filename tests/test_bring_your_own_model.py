@@ -106,3 +106,39 @@ def test_to_hf_honours_config_for_every_family(stopped_run, tmp_path):
     both = ("--flavor", "debugmodel", "--config", str(path))
     proc = cli("to-hf", ckpt, str(tmp_path / "both"), *both)
     assert proc.returncode != 0 and "--flavor or --config" in proc.stderr
+
+
+_SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+TRAINED = {  # what the Trainer trains, each under the name its config.json gives its fields
+    "gpt2": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32),
+    "qwen2": _SMALL,
+    "mistral": _SMALL,
+    "gemma": {**_SMALL, "head_dim": 8},
+    "phi3": {**_SMALL, "pad_token_id": 0},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(TRAINED))
+def test_a_transformers_model_saved_with_its_config_exports_with_no_arguments(model_type, tmp_path):
+    """A ``transformers`` causal LM saved by a manager that records its config (as the Trainer
+    integration does): ``dcpkit to-hf STEP OUT`` with no flavor or config loads in
+    ``from_pretrained`` with the same logits (GPT-2 names its layers ``n_layer``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dcpkit import CheckpointConfig, CheckpointManager
+    from dcpkit.convert.hf_model import HFModel
+
+    torch.manual_seed(0)
+    hf_config = AutoConfig.for_model(model_type, **TRAINED[model_type])
+    model = AutoModelForCausalLM.from_config(hf_config)
+    config = CheckpointConfig(enable=True, folder=str(tmp_path / "checkpoint"), interval=1)
+    with CheckpointManager(config, tmp_path, model, hf_model=HFModel("hf", model.config)) as mgr:
+        mgr.save(1)
+    proc = cli("to-hf", str(tmp_path / "checkpoint" / "step-1"), str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (model.eval()(tokens).logits - back.eval()(tokens).logits).abs().max().item()
+    assert diff <= 1e-5, diff

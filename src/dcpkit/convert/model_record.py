@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from dcpkit.convert.adapters import ConversionError, ModelAdapter
+from dcpkit.convert.adapters.hf import layer_count
 from dcpkit.layout import dtype_name
 
 
@@ -53,7 +54,7 @@ def kept_config(
 def bounded_args(adapter: ModelAdapter, config: dict[str, Any], n_keys: int, name: str) -> Any:
     """Model args from a recorded ``config.json``, refused when it describes more layers than
     the checkpoint has tensors (the checks would otherwise run away on a hostile one)."""
-    layers = config.get("num_hidden_layers")
+    layers = layer_count(config)
     if not isinstance(layers, int) or not 0 < layers <= n_keys:
         raise ConversionError(
             f"{name}: the recorded config.json gives num_hidden_layers {layers!r} for a "

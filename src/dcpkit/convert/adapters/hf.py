@@ -27,6 +27,15 @@ _TITAN_NAMED = re.compile(
 )
 
 
+LAYER_NAMES = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+"""What a ``config.json`` calls its number of layers (GPT-2's is ``n_layer``)."""
+
+
+def layer_count(config: dict[str, Any]) -> Any:
+    """The number of layers a ``config.json`` gives, under whichever name its model uses."""
+    return next((config[k] for k in LAYER_NAMES if config.get(k) is not None), None)
+
+
 @dataclass(frozen=True)
 class HFConfig:
     """A ``transformers`` model's ``config.json``, as the model's args."""
@@ -39,11 +48,12 @@ class HFConfig:
 
     @property
     def max_seq_len(self) -> int:
-        return int(self.config.get("max_position_embeddings") or 2048)
+        c = self.config
+        return int(c.get("max_position_embeddings") or c.get("n_positions") or 2048)
 
     @property
     def n_layers(self) -> int:
-        return int(self.config.get("num_hidden_layers") or 1)
+        return int(layer_count(self.config) or 1)
 
     @property
     def tie_word_embeddings(self) -> bool:
