@@ -123,16 +123,18 @@ def _epochs_run(folder: Path, *args: str, env: dict[str, str] | None = None, ok:
 
 def test_accelerate_resumes_exactly_in_every_epoch(tmp_path):
     """A user's Accelerate loop (seedable sampler, stateful dataloader, 2 micro-batches per
-    step, 6 batches per epoch) stopped in its 1st epoch (step 4), in its 2nd (step 10), killed
-    in the middle of a save in its 3rd (step 16, step 14 published) and run to the end: every
+    step, 6 batches per epoch) stopped at the last step of its 1st epoch (step 6), in its 2nd
+    (step 10), at the last step of its 2nd (step 12), killed in the middle of a save in its 3rd
+    (step 16, step 14 published) and run to the end: every
     later loss on both ranks is the uninterrupted run's, bit for bit; so are a per-rank state
     (``per_rank_states=``) and an object given to ``register_for_checkpointing``. Accelerate's
     dataloader sets its sampler's epoch from its own count of epochs, which dcpkit keeps."""
     full = _epochs_run(tmp_path / "full")
     assert sorted({s for _, s in full}) == list(range(1, 23))
     folder = tmp_path / "stopped"
-    seen = _epochs_run(folder, "4")
-    seen.update(_epochs_run(folder, "10"))
+    seen = _epochs_run(folder, "6")
+    for stop in ("10", "12"):
+        seen.update(_epochs_run(folder, stop))
     killed = _epochs_run(folder, env={"DCPKIT_FAILPOINT": "mid_write:16"}, ok=False)
     assert max(s for _, s in killed) >= 16  # the save is asynchronous: training goes on
     assert max(int(p.name[5:]) for p in (folder / "checkpoint").glob("step-*")) == 14

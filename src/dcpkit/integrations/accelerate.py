@@ -85,7 +85,7 @@ class _DataloaderState:
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"loader": self.dataloader.state_dict()}
         if isinstance(getattr(self.dataloader, "iteration", None), int):
-            state["iteration"] = int(self.dataloader.iteration)
+            state["iteration"] = int(self.dataloader.iteration) + self._epoch_ended()
         generator = getattr(self.loader, "generator", None)
         if generator is not None:
             state["generator"] = generator.get_state()
@@ -93,6 +93,16 @@ class _DataloaderState:
             state["sampler_epoch"] = int(self.sampler.epoch)
             state["sampler_seed"] = int(self.sampler.initial_seed)
         return state
+
+    def _epoch_ended(self) -> bool:
+        """The epoch's last batch is out (its loader exhausted, which Accelerate's look-ahead
+        knows) while the loop over it has not ended: Accelerate counts the epoch only when the
+        loop ends, which a run resumed from here never reaches (its loader starts the next
+        epoch), so the count is saved as the loop's end leaves it."""
+        loader = self.dataloader
+        gradient = getattr(loader, "gradient_state", None)
+        active = getattr(gradient, "active_dataloader", None) is loader
+        return bool(getattr(loader, "end_of_dataloader", False)) and active
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataloader.load_state_dict(state["loader"])
