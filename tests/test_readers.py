@@ -332,6 +332,17 @@ def test_follow_exports_every_step_of_a_run_in_order_none_twice(tmp_path):
         assert tokenizer.decode(tokenizer(text)["input_ids"]) == text, folder
     again = cli("to-hf", str(dump / "checkpoint"), str(out), "--follow", *DEBUG_MODEL)
     assert again.returncode == 0 and "0 step(s) exported" in again.stdout  # none twice
+    # A follower restarted after a kill: its half-written export is removed, and the steps it
+    # can no longer export (deleted by retention meanwhile: 5-8 here) are said, not skipped.
+    for s in range(5, 11):
+        shutil.rmtree(out / f"step-{s}")
+    (out / ".tmp-step-5").mkdir()
+    (out / ".tmp-step-5" / "model.safetensors").write_bytes(b"half")
+    again = cli("to-hf", str(dump / "checkpoint"), str(out), "--follow", *DEBUG_MODEL)
+    assert again.returncode == 0 and "2 step(s) exported" in again.stdout, again.stderr
+    said = again.stdout + again.stderr
+    assert "left by an interrupted export" in said and not (out / ".tmp-step-5").exists()
+    assert "newest export is step-4 and the run's next step is step-9" in said, said
 
 
 def _scenario(dump: Path, folder: str, mode: str, reader: bool, steps: int) -> dict:

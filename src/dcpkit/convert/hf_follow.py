@@ -13,6 +13,7 @@ from typing import Any
 
 from dcpkit.console import summary
 from dcpkit.convert.hf import ConversionResult, to_hf
+from dcpkit.layout import TEMP_PREFIX, parse_step
 from dcpkit.readers import follow
 from dcpkit.storage import open_store
 from dcpkit.storage.opening import local_path
@@ -42,9 +43,25 @@ def to_hf_following(
     those of ``to_hf``, applied to each), in order, until the run finishes. Returns the exports
     made, by step name; ``on_result(name, result)`` is called after each."""
     outputs = open_store(out, storage_options)
+    for name in outputs.incomplete_names():  # an export a killed follower left half-written
+        if not name.startswith(TEMP_PREFIX):  # only what an export writes before it renames
+            continue
+        summary(logger, f"to-hf: removing {outputs.location(name)}, left by an interrupted export")
+        outputs.remove(name)
+    exported = [s for s in map(parse_step, outputs.list_names()) if s is not None]
     done: dict[str, ConversionResult] = {}
     steps = follow(run, storage_options, purpose="to-hf --follow", poll_s=poll_s, wait_s=wait_s)
     for held in steps:
+        step = parse_step(held.name)
+        # the first step newer than OUT's: a gap before it is one no follower can fill now
+        if exported and step is not None and step > max(exported) + 1:
+            held.notes.append(
+                f"{outputs.location()}'s newest export is step-{max(exported)} and the run's "
+                f"next step is step-{step}: any step saved between them was deleted by the run's "
+                "retention while no follower held it, and is not exported"
+            )
+            summary(logger, f"to-hf: note: {held.notes[-1]}")
+        exported = exported if step is None or step <= max(exported, default=-1) else []
         if outputs.exists(held.name) and outputs.list_names(held.name):
             summary(logger, f"to-hf: {outputs.location(held.name)} exists: exported before")
             continue
