@@ -230,6 +230,41 @@ def test_a_killed_reader_stops_holding_after_its_stated_expiry(tmp_path, caplog)
     assert "retention removed step 1, 2 (1 kept until readers released it)" in caplog.text
 
 
+def test_a_reader_stopped_past_its_hold_expiry_is_told_its_hold_lapsed(tmp_path):
+    """A reader SIGSTOPped longer than its hold's expiry: retention deletes its step meanwhile
+    (the hold is no longer renewed), and the read that follows fails naming the lapsed hold,
+    not the missing file alone."""
+    folder = tmp_path / "checkpoint"
+    reader = (
+        "import sys, dcpkit\n"
+        "with dcpkit.reading(sys.argv[1], step='latest', purpose='paused reader') as held:\n"
+        "    print(held.name, flush=True)\n"
+        "    sys.stdin.readline()  # stopped here\n"
+        "    with held.store.view(held.name) as view:\n"
+        "        (view.path / '.metadata').read_bytes()\n"
+    )
+    env = {**os.environ, "DCPKIT_HOLD_EXPIRY_S": "1"}
+    with _manager(str(folder)) as mgr:
+        mgr.save(1)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", reader, str(folder)], env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        assert proc.stdout.readline().strip() == "step-1"
+        proc.send_signal(signal.SIGSTOP)
+        step, deadline = 1, time.monotonic() + 60
+        while 1 in mgr.published_steps():  # kept while held, deleted once the hold expired
+            assert time.monotonic() < deadline, mgr.published_steps()
+            step += 1
+            mgr.save(step)
+            mgr.wait()
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate("go\n", timeout=60)
+    assert proc.returncode != 0
+    assert "the hold on" in err and "step-1 expired at" in err, err[-2000:]
+    assert "was this process stopped?" in err and "deleted the step" in err, err[-2000:]
+
+
 def test_latest_is_the_newest_published_step_or_the_one_before_a_corrupt_one(tmp_path):
     folder = tmp_path / "checkpoint"
     with _manager(str(folder), keep=0) as mgr:
@@ -290,7 +325,7 @@ def _finish(
     return text
 
 
-def test_follow_exports_every_step_of_a_run_in_order_none_twice(tmp_path):
+def test_follow_exports_every_step_of_a_run_in_order_none_twice(tmp_path, caplog):
     dump, out = tmp_path / "run", tmp_path / "exports"
     follower = subprocess.Popen(  # started before the run: it waits for the run to begin
         [sys.executable, "-m", "dcpkit.cli", "to-hf", str(dump), str(out), "--follow",
@@ -338,11 +373,12 @@ def test_follow_exports_every_step_of_a_run_in_order_none_twice(tmp_path):
         shutil.rmtree(out / f"step-{s}")
     (out / ".tmp-step-5").mkdir()
     (out / ".tmp-step-5" / "model.safetensors").write_bytes(b"half")
-    again = cli("to-hf", str(dump / "checkpoint"), str(out), "--follow", *DEBUG_MODEL)
+    with caplog.at_level(logging.INFO, logger="dcpkit"):
+        again = cli("to-hf", str(dump / "checkpoint"), str(out), "--follow", *DEBUG_MODEL)
     assert again.returncode == 0 and "2 step(s) exported" in again.stdout, again.stderr
-    said = again.stdout + again.stderr
-    assert "left by an interrupted export" in said and not (out / ".tmp-step-5").exists()
-    assert "newest export is step-4 and the run's next step is step-9" in said, said
+    assert "left by an interrupted export" in caplog.text and not (out / ".tmp-step-5").exists()
+    gap = "newest export is step-4 and the run's next step is step-9"
+    assert gap in caplog.text and gap in again.stdout, again.stdout  # a note of step-9's export
 
 
 def _scenario(dump: Path, folder: str, mode: str, reader: bool, steps: int) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dcpkit.console import summary
+from dcpkit.errors import CheckpointError
 from dcpkit.integrity import verify_checkpoint
 from dcpkit.layout import LEASE, parse_step, step_name
 from dcpkit.storage import CheckpointView, open_location, open_store
@@ -170,7 +171,20 @@ def reading(
     """``open_reading``, released at the end of the block."""
     held = open_reading(path_or_url, step, purpose, storage_options)
     with letting_go(held):
-        yield held
+        try:
+            yield held
+        except Exception as e:  # a read that failed because the step went while not held
+            lapsed = held.hold.lapsed() if held.hold is not None else None
+            if lapsed is None or _still_published(held):
+                raise
+            raise CheckpointError(f"{lapsed}: {e}") from e
+
+
+def _still_published(held: Reading) -> bool:
+    try:
+        return bool(held.store.is_published(held.name))
+    except Exception:  # the store does not answer: the read's own error says so
+        return True
 
 
 # --- following a run -----------------------------------------------------------------------------

@@ -197,6 +197,24 @@ class Hold:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.lapsed_at: tuple[float, float] | None = None  # (when it expired, the gap)
+
+    def lapsed(self) -> str | None:
+        """Why the held step may be gone though it was held: the hold expired (its process was
+        stopped longer than the expiry, so no heartbeat renewed it), said with when; None when
+        it never lapsed."""
+        beat = self.record.get("heartbeat")
+        if self.lapsed_at is None and beat is not None and time.time() - beat > self.expires_s:
+            self.lapsed_at = (beat + self.expires_s, time.time() - beat)
+        if self.lapsed_at is None:
+            return None
+        at, gap = self.lapsed_at
+        return (
+            f"the hold on {self.location} expired at "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(at))}, {gap:.0f}s after its "
+            f"last heartbeat (a hold lasts {self.expires_s:.0f}s without one: was this process "
+            "stopped?), and the run's retention deleted the step meanwhile"
+        )
 
     @property
     def name(self) -> str:
@@ -212,7 +230,10 @@ class Hold:
             self.record.pop("step", None)
             self.record.pop("from", None)
             self.record["from" if self.follow else "step"] = self.step
-            self.record["heartbeat"] = time.time()
+            now, last = time.time(), self.record.get("heartbeat")
+            if last is not None and now - last > self.expires_s and self.lapsed_at is None:
+                self.lapsed_at = (last + self.expires_s, now - last)  # paused past its expiry
+            self.record["heartbeat"] = now
             self.store.write_bytes(self.file, json.dumps(self.record).encode(), durable=False)
 
     def acquire(self) -> None:
