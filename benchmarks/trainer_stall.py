@@ -1,6 +1,7 @@
 """How long a save stalls the transformers ``Trainer``: its own ``_save_checkpoint`` beside
 dcpkit's mixin (``DcpkitTrainerMixin``) synchronous, ``async`` and ``async_with_pinned_mem``,
-on the same model, data and steps, one process each, in one run.
+on the same model, data and steps, one process each (forked from one that imported torch
+and transformers once), in one run.
 
     python benchmarks/trainer_stall.py [--dim 768] [--layers 6] [--steps 26] [--every 3]
                                        [--json benchmarks/results/trainer_stall.json]
@@ -19,17 +20,49 @@ files of ``checkpoint-N``; dcpkit writes the same state to ``checkpoint/step-N``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 MODES = ["trainer", "disabled", "async", "async_with_pinned_mem"]
+
+
+def _preload() -> None:
+    """What each run imports, imported once here: each run's process is forked from this one
+    (a process of its own, nothing of another mode's run in it), without paying the imports."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import dcpkit.integrations.transformers  # noqa: F401
+
+
+def _forked(mode: str, opts: argparse.Namespace, out: Path, result: Path) -> None:
+    """``_one`` in a child process forked from this one; raises when it failed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            os.environ["WORLD_SIZE"] = "1"
+            with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+                _one(mode, opts, out, result)
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"the {mode} run failed (status {os.waitstatus_to_exitcode(status)})")
 
 
 def _one(mode: str, opts: argparse.Namespace, out: Path, result: Path) -> None:
@@ -129,13 +162,10 @@ def main() -> None:
         return
     results = {}
     with tempfile.TemporaryDirectory(prefix="trainer-stall-") as tmp:
+        _preload()
         for mode in MODES:
             out = Path(tmp) / f"{mode}.json"
-            argv = [sys.executable, __file__, "--_mode", mode, "--_out", str(out)]
-            argv += [f"--{k}={getattr(opts, k)}" for k in ("dim", "layers", "vocab", "steps")]
-            argv += [f"--every={opts.every}"]
-            env = {**os.environ, "WORLD_SIZE": "1"}
-            subprocess.run(argv, check=True, env=env, capture_output=True)
+            _forked(mode, opts, Path(tmp) / "run", out)
             results[mode] = summarize(json.loads(out.read_text()), opts.every)
             shutil.rmtree(Path(tmp) / "run", ignore_errors=True)
     first = results["trainer"]
