@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import BUCKET, CONFIG, read_metrics, run_train, torchrun_env
+from conftest import BUCKET, CONFIG, ROOT, read_metrics, run_train, torchrun_env, use_endpoint
 from dcpkit import CheckpointError
 from dcpkit.engine.lease import LEASE, Lease
 from dcpkit.launch import torchrun_command
@@ -61,6 +61,39 @@ def test_a_live_lease_is_refused_and_a_dead_one_taken_over(tmp_path, caplog):
     fourth = Lease(store, timeout_s=30)
     fourth.acquire()
     fourth.release()
+
+
+@pytest.mark.parametrize("kind", ["local", "seaweedfs"])
+def test_two_runs_started_together_on_a_slow_store_exactly_one_takes_the_lease(
+    kind, tmp_path, request
+):
+    """Two runs started 0.1 s apart on one folder, the store's reachability check and listings
+    answered late (0.5 s for the first, 2 s for the second: the second writes long after the
+    first has written and read its lease back, having found none itself): the lease is created
+    only if absent, as one operation of the store (a link on a local disk, a conditional PUT on
+    S3, which this SeaweedFS honours), so exactly one runs, and the other is refused naming
+    it."""
+    folder = str(tmp_path / "checkpoint")
+    if kind == "seaweedfs":
+        import s3fs
+
+        use_endpoint(request.getfixturevalue("monkeypatch"), request.getfixturevalue("seaweedfs"))
+        request.addfinalizer(s3fs.S3FileSystem.clear_instance_cache)
+        folder = f"s3://{BUCKET}/race-{tmp_path.name}/checkpoint"
+    script = ROOT / "tests" / "scripts" / "lease_race.py"
+    runs = []
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    for delay in ("0.5", "2"):  # the second run's store answers later than the first's
+        command = [sys.executable, str(script), folder, delay]
+        runs.append(subprocess.Popen(command, env=torchrun_env(), text=True, **pipes))
+        time.sleep(0.1)  # the second start, 0.1 s after the first
+    said = [run.stdout.readline().strip() for run in runs]
+    errors = [run.communicate("done\n", timeout=120)[1] for run in runs]
+    won = [line.split()[1] for line in said if line.startswith("WON ")]
+    refused = [line for line in said if line.startswith("REFUSED ")]
+    assert len(won) == 1 and len(refused) == 1, (said, [e[-2000:] for e in errors])
+    assert "is in use by another run" in refused[0] and f"run {won[0]}" in refused[0], refused
+    assert not any("cannot create a file only if it is absent" in e for e in errors), errors
 
 
 def _second_run_is_refused(folder: str, tmp_path, reference_run, lease_exists) -> None:

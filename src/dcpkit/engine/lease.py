@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -26,11 +27,18 @@ from dcpkit.engine.publish import retrying_alone
 from dcpkit.errors import CheckpointError
 from dcpkit.layout import LEASE
 from dcpkit.storage import StoreError
+from dcpkit.storage.exclusive import create_exclusive
 from dcpkit.storage.markers import fresh, read_bounded
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LEASE", "Lease", "check_free", "check_lease", "release_folder", "take_lease"]
+
+
+def _plain(run_id: Any) -> str:
+    """A run id as part of a file name (what a lease file says is not trusted as one)."""
+    text = str(run_id)
+    return text if re.fullmatch(r"[0-9A-Za-z_-]{1,64}", text) else "unnamed"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -59,13 +67,15 @@ class Lease:
         }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._claim: str | None = None  # a takeover's claim, removed with the lease
         self.lost: str | None = None
 
-    def _read(self) -> dict[str, Any] | None:
-        """The lease's record; None when there is none, or what is there is no record (it is
-        rewritten). A store that fails to answer raises: never taken for a free folder."""
+    def _read(self, name: str = LEASE) -> dict[str, Any] | None:
+        """The lease's record (or a takeover claim's); None when there is none, or what is there
+        is no record (it is rewritten). A store that fails to answer raises: never taken for a
+        free folder."""
         try:
-            data = read_bounded(self.store, LEASE) if self.store.exists(LEASE) else None
+            data = read_bounded(self.store, name) if self.store.exists(name) else None
         except FileNotFoundError:
             return None  # released in between
         try:
@@ -93,8 +103,11 @@ class Lease:
         return (holder.get("host"), holder.get("pid")) == (self.record["host"], self.record["pid"])
 
     def acquire(self) -> None:
-        """Take the lease, or raise naming the run that holds it."""
+        """Take the lease, or raise naming the run that holds it. Of runs that start at once,
+        one wins: the lease (or, over a holder that is gone, a claim named after that holder) is
+        created only if it does not exist, as one operation of the store (``exclusive``)."""
         holder = self._read()
+        claim: str | None = LEASE if holder is None else None
         if holder is not None and self._same_process(holder):
             pass  # another manager of this process: the newest one saves (the other may not)
         elif holder is not None and holder.get("run_id") != self.record["run_id"]:
@@ -108,12 +121,33 @@ class Lease:
                 holder.get("host"),
                 holder.get("pid"),
             )
+            claim = f"{LEASE}.takeover-{_plain(holder.get('run_id'))}"
         self.store.check_reachable()
-        self._write()
-        time.sleep(min(0.2, self.timeout_s / 10))
-        winner = self._read()  # two runs that started at once: the last write wins
-        if winner is None or winner.get("run_id") != self.record["run_id"]:
-            raise CheckpointError(self._in_use(winner or {}))
+        self.record["heartbeat"] = time.time()
+        created = True
+        if claim is not None:
+            created = create_exclusive(self.store, claim, json.dumps(self.record).encode())
+        found = self.store.stat(LEASE) if created is False and claim == LEASE else None
+        if found is not None and self._read() is None:  # a lease file that holds no record
+            claim = f"{LEASE}.takeover-unreadable-{int(found.mtime or 0)}"
+            created = create_exclusive(self.store, claim, json.dumps(self.record).encode())
+        if created is False:  # another run created it first: it runs, this one does not
+            raise CheckpointError(self._in_use(self._read(claim or LEASE) or {}))
+        if created is None:  # no such operation on this store: a write, then a re-read
+            logger.warning(
+                "checkpoint: %s cannot create a file only if it is absent: of two runs started "
+                "within %.1fs of each other, both may take its lease",
+                self.store.root,
+                min(0.2, self.timeout_s / 10),
+            )
+            self._write()
+            time.sleep(min(0.2, self.timeout_s / 10))
+            winner = self._read()  # two runs that started at once: the last write wins
+            if winner is None or winner.get("run_id") != self.record["run_id"]:
+                raise CheckpointError(self._in_use(winner or {}))
+        elif claim != LEASE:  # the same process's lease, or a takeover this run won
+            self._write()
+            self._claim = claim
         self._thread = threading.Thread(target=self._renew, name="dcpkit-lease", daemon=True)
         self._thread.start()
 
@@ -157,6 +191,8 @@ class Lease:
             holder = self._read()
             if holder is not None and holder.get("run_id") == self.record["run_id"]:
                 self.store.remove(LEASE)
+            if self._claim is not None:
+                self.store.remove(self._claim)
         except Exception as e:  # never fail a run's end over its lease; it expires anyway
             logger.warning("checkpoint: could not release the lease of %s: %s", self.store.root, e)
 
