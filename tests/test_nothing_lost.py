@@ -186,3 +186,10 @@ def test_a_load_failing_on_one_rank_fails_on_every_rank(tmp_path):
     assert len(lines) == 2 and all(line.startswith("FAILED") for line in lines), proc.stdout
     assert all("__1_0.distcp" in line and "truncated" in line for line in lines), lines
     assert lines[0].split(": ", 1)[1] == lines[1].split(": ", 1)[1], lines
+    # Intact files, but rank 1's own state refuses what it reads back (after every read):
+    # both ranks fail together with its reason and the rank, neither left waiting.
+    proc = run_script(2, "load_failures.py", str(tmp_path / "refused"), "refused")
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "LOAD")))
+    assert len(lines) == 2 and all(line.startswith("FAILED") for line in lines), proc.stdout
+    assert all("position 1 is past this rank's shard (rank 1)" in line for line in lines), lines
+    assert lines[0].split(": ", 1)[1] == lines[1].split(": ", 1)[1], lines

@@ -3,6 +3,7 @@ failing rank's reason, and no rank waits for the others.
 
 load_failures.py FOLDER corrupt    # a byte of rank 1's file flipped; verify_on_load
 load_failures.py FOLDER truncated  # rank 1's file cut short; no verification
+load_failures.py FOLDER refused    # intact: rank 1's own state refuses what it reads back
 """
 
 import os
@@ -23,10 +24,39 @@ def model() -> torch.nn.Module:
     return net
 
 
+class Position:
+    """A per-rank state (a sampler's position) whose restore refuses on rank 1, as a user's
+    own ``load_state_dict`` may (a dataset that changed, a check of its own)."""
+
+    def __init__(self) -> None:
+        self.at = torch.tensor(dist.rank())
+
+    def state_dict(self) -> dict:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict) -> None:
+        if dist.rank() == 1:
+            raise ValueError(f"position {int(state['at'])} is past this rank's shard")
+        self.at = state["at"]
+
+
 def main() -> None:
     folder, mode = sys.argv[1], sys.argv[2]
     torch_dist.init_process_group("gloo")
     config = CheckpointConfig(enable=True, folder=folder, interval=1, verify_on_load=True)
+    if mode == "refused":
+        states = {"position": Position()}
+        CheckpointManager(config, ".", model(), per_rank_states=states).save(1, force=True)
+        try:
+            CheckpointManager(config, ".", model(), per_rank_states=states).load()
+            outcome = f"LOADED rank {dist.rank()}"
+        except CheckpointError as e:
+            outcome = f"FAILED rank {dist.rank()}: {e}"
+        sys.stdout.write(outcome + "\n")
+        sys.stdout.flush()
+        dist.barrier()  # both ranks reach it: neither waits in the load for the other
+        torch_dist.destroy_process_group()
+        return
     CheckpointManager(config, ".", model()).save(1, force=True)
     dist.barrier()
     rank1 = os.path.join(folder, "step-1", "__1_0.distcp")

@@ -101,28 +101,38 @@ def restore(
         return prepared
     template, reader, stored, model_sd, wanted, per_rank, rng_plan, spelled = prepared
     load_into(template, reader, location, gather, stored)
-    names = {saved: live for live, saved in spelled.items()}
-    model.load_state_dict({names.get(k, k): template[k] for k in model_sd})
-    for group in wanted:
-        obj = states[group]
-        if group not in per_rank:
-            obj.load_state_dict(template[group])
-        elif per_rank[group][0] == "reshard":
-            saved_states = [template[group][rank_key(i)] for i in range(per_rank[group][1])]
-            obj.obj.load_state_dict(
-                obj.obj.reshard_state_dict(saved_states, dist.rank(), dist.world_size())
-            )
-        else:
-            obj.obj.load_state_dict(template[group][rank_key(per_rank[group][1])])
-    restored = [MODEL, *wanted]
-    if rng_plan is not None:
-        source, offset = rng_plan
-        try:
-            restore_rng(template[RNG][rank_key(source)], reseed_offset=offset, where=location)
-        except UnsafeCheckpoint as e:
-            raise CheckpointError(str(e)) from None
-        restored.append(RNG)
-    return restored
+
+    def apply() -> list[str]:
+        names = {saved: live for live, saved in spelled.items()}
+        model.load_state_dict({names.get(k, k): template[k] for k in model_sd})
+        for group in wanted:
+            obj = states[group]
+            if group not in per_rank:
+                obj.load_state_dict(template[group])
+            elif per_rank[group][0] == "reshard":
+                saved_states = [template[group][rank_key(i)] for i in range(per_rank[group][1])]
+                obj.obj.load_state_dict(
+                    obj.obj.reshard_state_dict(saved_states, dist.rank(), dist.world_size())
+                )
+            else:
+                obj.obj.load_state_dict(template[group][rank_key(per_rank[group][1])])
+        restored = [MODEL, *wanted]
+        if rng_plan is not None:
+            source, offset = rng_plan
+            try:
+                restore_rng(template[RNG][rank_key(source)], reseed_offset=offset, where=location)
+            except UnsafeCheckpoint as e:
+                raise CheckpointError(str(e)) from None
+            except Exception as e:  # values of the right shape that no generator takes
+                raise CheckpointError(
+                    f"{location}: its RNG record {RNG}.{rank_key(source)} cannot be restored "
+                    f"({type(e).__name__}: {e})"
+                ) from None
+            restored.append(RNG)
+        return restored
+
+    # applied on every rank; one that fails makes every rank fail, with its message
+    return together(apply, location, gather)
 
 
 def _prepare(
