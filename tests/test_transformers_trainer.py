@@ -64,6 +64,8 @@ def test_trainer_resumes_bitwise_after_a_stop_mid_epoch_and_a_kill_mid_save(trai
     assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
     assert steps_of(out / "checkpoint") == ["step-12", "step-14"]  # save_total_limit = 2
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-14"]
+    listed = cli("list", str(out))  # the Trainer's output_dir: its checkpoint folder's steps
+    assert listed.returncode == 0 and "step-12" in listed.stdout and "step-14" in listed.stdout
     # SIGKILL in the middle of step 12's background write (async_with_pinned_mem)
     out, pinned = tmp_path / "killed", {"ASYNC_MODE": "async_with_pinned_mem"}
     trainer_run(out, env={**pinned, "DCPKIT_FAILPOINT": "mid_write:12"}, ok=False)

@@ -9,6 +9,7 @@ from typing import Any
 
 from dcpkit.integrity import verify_checkpoint
 from dcpkit.layout import parse_step
+from dcpkit.readers import steps_folder
 from dcpkit.storage import StepEntry, open_store
 from dcpkit.storage.holds import StepGone, describe, held_steps, hold_step
 from dcpkit.units import human_bytes
@@ -48,10 +49,11 @@ def list_checkpoints(
     storage_options: dict[str, Any] | None = None,
     local_folder: str | None = None,
 ) -> Listing:
-    """Every checkpoint and leftover under ``folder``; a published one that fails verification
-    (sizes and structure, and with ``checksums`` its checksums) is marked CORRUPT, and one that
-    passes says what was verified."""
-    store = open_store(folder, storage_options)
+    """Every checkpoint and leftover under ``folder`` (or, for a run's folder such as a
+    Trainer's ``output_dir``, under its ``checkpoint`` folder); a published one that fails
+    verification (sizes and structure, and with ``checksums`` its checksums) is marked CORRUPT,
+    and one that passes says what was verified."""
+    store = steps_folder(folder, storage_options)  # a run's folder: its checkpoint folder
     store.check_reachable()
     st = store.stat("")
     if st is None:
