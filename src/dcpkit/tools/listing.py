@@ -53,7 +53,7 @@ def list_checkpoints(
     Trainer's ``output_dir``, under its ``checkpoint`` folder); a published one that fails
     verification (sizes and structure, and with ``checksums`` its checksums) is marked CORRUPT,
     and one that passes says what was verified."""
-    store = steps_folder(folder, storage_options)  # a run's folder: its checkpoint folder
+    store = open_store(folder, storage_options)
     store.check_reachable()
     st = store.stat("")
     if st is None:
@@ -64,6 +64,7 @@ def list_checkpoints(
         raise NotAFolder(
             f"{store.root} is not a folder; pass the folder that holds step-N checkpoints"
         )
+    store = steps_folder(folder, storage_options)  # a run's folder: its checkpoint folder
     entries = store.entries()
     held = held_steps(store, [e.step for e in entries if e.published and e.step is not None])
     checked = "sizes, structure and checksums" if checksums else "sizes and structure"
