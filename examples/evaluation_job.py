@@ -15,6 +15,7 @@ folder, beside its checkpoint folder; `--tokenizer` names it for a run saving el
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -81,7 +82,9 @@ if not args.latest:
         evaluate(held)
 else:
     done: set[str] = set()
-    while not open_store(args.run).published_steps():  # started before the run's first save
+    if not open_store(args.run).published_steps():  # started before the run's first save
+        print(f"waiting for a run to save into {args.run}", file=sys.stderr, flush=True)
+    while not open_store(args.run).published_steps():
         time.sleep(0.5)
     while True:
         running = run_state(open_store(args.run))[0] == "running"  # before choosing: no gap

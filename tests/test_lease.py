@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -97,7 +98,10 @@ def test_two_runs_started_together_on_a_slow_store_exactly_one_takes_the_lease(
 
 
 def _second_run_is_refused(folder: str, tmp_path, reference_run, lease_exists) -> None:
-    """A runs alone; B starts on A's folder while A runs, and must stop; A is unharmed."""
+    """A runs alone; B starts on A's folder while A runs, and must stop; A is unharmed. A is
+    paused (SIGSTOP to its launcher and ranks) from the moment its lease exists until B has
+    ended, so B meets A running whatever the machine's speed: a paused process is alive, as a
+    slow one is, and its lease on this host is judged by its pid."""
     dump_a, dump_b = tmp_path / "a", tmp_path / "b"
     args = ["--job.config_file", str(CONFIG), "--checkpoint.folder", folder]
     first = subprocess.Popen(
@@ -106,11 +110,18 @@ def _second_run_is_refused(folder: str, tmp_path, reference_run, lease_exists) -
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its own process group: the launcher and its ranks
     )
     deadline = time.time() + 120
-    while not lease_exists() and time.time() < deadline:
+    while not lease_exists():
+        assert first.poll() is None, first.communicate()[0][-3000:]
+        assert time.time() < deadline, "the first run took no lease in 120 s"
         time.sleep(0.2)
-    second = run_train(2, dump_b, "--checkpoint.folder", folder, check=False)
+    os.killpg(first.pid, signal.SIGSTOP)
+    try:
+        second = run_train(2, dump_b, "--checkpoint.folder", folder, check=False)
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
     out_a, _ = first.communicate(timeout=300)
     assert first.returncode == 0, out_a[-3000:]
     assert second.returncode != 0

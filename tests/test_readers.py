@@ -383,24 +383,30 @@ def test_follow_exports_every_step_of_a_run_in_order_none_twice(tmp_path, caplog
 
 def _scenario(dump: Path, folder: str, mode: str, reader: bool, steps: int) -> dict:
     """The reference trainer on 2 ranks, ``steps`` steps, each saved, keep_latest_k 2; beside it
-    the evaluation example taking `latest` again and again (verify, to-hf, from_pretrained)."""
+    the evaluation example taking `latest` again and again (verify, to-hf, from_pretrained). The
+    example starts first and the run once it says it waits: however slowly the example starts
+    on a busy machine, it reads while the run saves, never only after it ended."""
     start = time.perf_counter()
     lines: list[dict] = []
-    with Beside(
-        run_train, 2, dump, "--training.steps", str(steps), "--checkpoint.interval", "1",
+    if reader:
+        store = open_store(folder if "://" in folder else dump / folder)
+        evaluation = subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / "evaluation_job.py"), store.root,
+             str(dump / "exports"), "--latest", "--batches", "100",
+             "--tokenizer", str(dump / "tokenizer.json")],
+            env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_low_priority,
+        )  # fmt: skip
+        said = ""
+        while "waiting for a run to save into" not in said:
+            line = evaluation.stderr.readline()
+            assert line, _finish(evaluation, "evaluation")  # it ended before waiting
+            said += line
+    done = run_train(
+        2, dump, "--training.steps", str(steps), "--checkpoint.interval", "1",
         "--checkpoint.keep_latest_k", "2", "--checkpoint.folder", folder,
         "--checkpoint.async_mode", mode, "--checkpoint.last_save_model_only", "false",
-    ) as train:  # fmt: skip
-        if reader:  # started with the run: it waits for the first step
-            store = open_store(folder if "://" in folder else dump / folder)
-            evaluation = subprocess.Popen(
-                [sys.executable, str(ROOT / "examples" / "evaluation_job.py"), store.root,
-                 str(dump / "exports"), "--latest", "--batches", "100",
-                 "--tokenizer", str(dump / "tokenizer.json")],
-                env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                preexec_fn=_low_priority,
-            )  # fmt: skip
-        done = train.result()
+    )  # fmt: skip
     log = done.stdout + done.stderr
     if reader:
         printed = _finish(evaluation, "evaluation")
