@@ -1,5 +1,6 @@
-"""What the multi-rank benchmarks share: each rank's result gathered and printed by rank 0 as one
-``RESULT`` line, and the launcher that runs a script under torchrun and reads that line back."""
+"""What the benchmarks share: each rank's result gathered and printed by rank 0 as one ``RESULT``
+line, the launcher that runs a script under torchrun and reads that line back, and `forked`,
+which runs one measurement in a child of a process that imported torch once."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +30,40 @@ def read_result(stdout: str) -> Any | None:
     """The value a job printed on its ``RESULT`` line, or None."""
     line = next((x for x in stdout.splitlines() if x.startswith(PREFIX)), None)
     return None if line is None else json.loads(line[len(PREFIX) :])
+
+
+def forked(work: Callable[[], Any], what: str) -> Any | None:
+    """``work()`` in a child forked from this process (its memory and time its own, torch already
+    imported); its JSON-able result, or None when it failed (its traceback on stderr, and a line
+    naming ``what``). Safe only while this process has run no torch operation: a fork copies the
+    state of thread pools that a child cannot use."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read_end)
+        status = 1
+        try:
+            data = json.dumps(work()).encode()
+            with os.fdopen(write_end, "wb") as sink:
+                sink.write(data)
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as source:
+        data = source.read()
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0 or not data:
+        print(f"{what} failed (status {code})", file=sys.stderr)
+        return None
+    return json.loads(data)
 
 
 @dataclass

@@ -41,15 +41,15 @@ import argparse
 import io
 import json
 import math
-import os
 import pickle
 import re
 import struct
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
+
+from _launch import forked  # this script's folder is on sys.path
 
 FLAVORS = {  # dim, layers, heads, kv heads, FFN hidden (TorchTitan's Llama 3 flavors)
     "8B": (4096, 32, 32, 8, 14336),
@@ -776,31 +776,7 @@ def _preload() -> None:
 def _run_cell(spec: str, what: str) -> dict | None:
     """One cell in a process of its own (its peak memory is its own, measured from its start),
     forked from this one; None when it failed (its traceback on stderr)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the cell's process
-        os.close(read_end)
-        status = 1
-        try:
-            data = json.dumps(_cell_result(spec)).encode()
-            with os.fdopen(write_end, "wb") as sink:
-                sink.write(data)
-            status = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stderr.flush()
-            os._exit(status)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as source:
-        data = source.read()
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0 or not data:
-        print(f"{what} failed (status {os.waitstatus_to_exitcode(status)})", file=sys.stderr)
-        return None
-    return json.loads(data)
+    return forked(lambda: _cell_result(spec), what)
 
 
 def main() -> int:

@@ -28,8 +28,9 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
+
+from _launch import forked  # this script's folder is on sys.path
 
 MODES = ["trainer", "disabled", "async", "async_with_pinned_mem"]
 
@@ -45,24 +46,15 @@ def _preload() -> None:
 
 def _forked(mode: str, opts: argparse.Namespace, out: Path, result: Path) -> None:
     """``_one`` in a child process forked from this one; raises when it failed."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            os.environ["WORLD_SIZE"] = "1"
-            with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-                _one(mode, opts, out, result)
-            status = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stderr.flush()
-            os._exit(status)
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"the {mode} run failed (status {os.waitstatus_to_exitcode(status)})")
+
+    def work() -> bool:
+        os.environ["WORLD_SIZE"] = "1"
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            _one(mode, opts, out, result)
+        return True
+
+    if forked(work, f"the {mode} run") is None:
+        raise SystemExit(f"the {mode} run failed")
 
 
 def _one(mode: str, opts: argparse.Namespace, out: Path, result: Path) -> None:
