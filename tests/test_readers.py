@@ -443,10 +443,10 @@ def _evaluated_beside(beside: dict, steps: int, loss: list, root: str) -> None:
 
 @pytest.mark.alone
 def test_an_evaluation_job_beside_training_reads_every_step_it_takes(tmp_path):
-    """40 steps, each saved asynchronously to a local folder, beside the same run without the
+    """20 steps, each saved asynchronously to a local folder, beside the same run without the
     reader: the same losses, and no save stalled by what the reader holds (``alone``: the two
     runs' stalls compared on the same idle cores)."""
-    folder, mode, steps = "checkpoint", "async_with_pinned_mem", 40
+    folder, mode, steps = "checkpoint", "async_with_pinned_mem", 20
     alone = _scenario(tmp_path / "alone", folder, mode, False, steps)
     beside = _scenario(tmp_path / "beside", folder, mode, True, steps)
     print(alone["seconds"], beside["seconds"], beside["reads"])
