@@ -94,6 +94,61 @@ def test_retention_keeps_a_held_step_and_deletes_it_at_a_save_once_released(
     assert open_store(folder).list_names(HOLDS) == []  # released holds leave nothing behind
 
 
+HOLDING = """import sys, time
+import dcpkit
+with dcpkit.reading(sys.argv[1], step="latest", purpose="an evaluation") as held:
+    print("held", held.name, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_readers_step_is_listed_as_kept_and_pruned_once_its_hold_expired(tmp_path):
+    """A reader SIGKILLed at the run's last save never lets go: its step outlives retention
+    (keep_latest_k 2 leaves 3 steps). `list` names it "kept past retention" with its reader, and
+    deletes nothing, however often it runs; `prune` leaves it while the hold lives; once the
+    hold has expired (4 s here), `list` says so and `prune` deletes it and the dead hold: 2."""
+    folder = tmp_path / "checkpoint"
+    store = open_store(folder)
+    env = torchrun_env({"DCPKIT_HOLD_EXPIRY_S": "4"})
+    with _manager(str(folder)) as mgr:
+        mgr.save(1)
+        mgr.save(2)
+        mgr.wait()
+        reader = subprocess.Popen([sys.executable, "-c", HOLDING, str(folder)], env=env,
+                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert reader.stdout.readline().split() == ["held", "step-2"]
+            mgr.save(3)
+            mgr.save(4)  # the run's last save
+            mgr.wait()
+            for _ in range(20):
+                listing = cli("list", str(folder))
+                assert listing.returncode == 0, listing.stderr
+            row = next(x for x in listing.stdout.splitlines() if x.startswith("step-2 "))
+            assert "held by 1 reader(s): an evaluation (host" in row, row
+            assert "kept past retention for them" in row, row
+            pruned = cli("prune", str(folder))
+            assert pruned.returncode == 0 and "kept step-2: held by 1 reader(s)" in pruned.stdout
+        finally:
+            reader.kill()
+            reader.wait()
+    assert store.published_steps() == [2, 3, 4]
+    deadline = time.monotonic() + 60  # the hold's expiry passes (bounded: a hang fails)
+    while "hold expired" not in (row := cli("list", str(folder)).stdout):
+        assert time.monotonic() < deadline, row
+        time.sleep(0.2)
+    line = next(x for x in row.splitlines() if x.startswith("step-2 "))
+    assert "its reader's hold expired at" in line and f"`dcpkit prune {folder}`" in line, line
+    assert store.published_steps() == [2, 3, 4]  # listing deleted nothing
+    pruned = cli("prune", str(tmp_path))  # a run's folder: its checkpoint folder
+    assert pruned.returncode == 0, pruned.stderr
+    assert f"deleted {folder}/step-2, kept by retention for a reader now gone" in pruned.stdout
+    assert re.search(r"removed .*/hold-[0-9a-f]+\.json", pruned.stdout), pruned.stdout
+    assert store.published_steps() == [3, 4]
+    assert store.list_names(HOLDS) == []
+    assert cli("prune", str(folder)).stdout.strip() == f"{folder}: nothing to prune"
+
+
 def _take(store, start: threading.Barrier, result: dict) -> None:
     start.wait()
     try:

@@ -6,6 +6,7 @@ Errors print one paragraph and exit non-zero; ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import subprocess
 import sys
 
@@ -22,18 +23,13 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return subprocess.call(torchrun_command(args.nproc_per_node, rest), env=torchrun_env())
 
 
-def _cmd_list(args: argparse.Namespace, rest: list[str]) -> int:
-    from dcpkit.tools.listing import corrupt, list_checkpoints, listing_lines
+def _tool(module: str):
+    """The command of ``dcpkit.tools.<module>`` (its ``command(args)``), imported when run."""
 
-    listing = list_checkpoints(
-        args.folder, checksums=args.checksums, local_folder=args.local_folder
-    )
-    print("\n".join(listing_lines(listing)))
-    bad = corrupt(listing)
-    if bad:
-        print(f"error: {len(bad)} checkpoint(s) failed verification: {', '.join(bad)}; run "
-              "`dcpkit verify` on one for every problem", file=sys.stderr)  # fmt: skip
-    return 1 if bad else 0
+    def run(args: argparse.Namespace, rest: list[str]) -> int:
+        return importlib.import_module(f"dcpkit.tools.{module}").command(args)
+
+    return run
 
 
 def _cmd_plot(args: argparse.Namespace, rest: list[str]) -> int:
@@ -348,7 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
         dest="local_folder",
         help="the run's memory-tier folder, when not the default (/dev/shm/dcpkit-<hash>)",
     )
-    p.set_defaults(func=_cmd_list, passthrough=False)
+    p.set_defaults(func=_tool("listing"), passthrough=False)
+
+    p = sub.add_parser("prune", help="delete the steps a run's retention kept for readers now gone")
+    p.add_argument("folder", help="a checkpoint folder (or a run's folder), path or URL")
+    p.set_defaults(func=_tool("prune"), passthrough=False)
 
     p = sub.add_parser("plot", help="loss, lr and checkpoint stall of runs, overlaid, as a PNG")
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run's dump folder (metrics.jsonl)")

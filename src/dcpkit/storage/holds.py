@@ -156,7 +156,7 @@ def delete_unless_held(store: Any, step: int, delete: Callable[[str], None]) -> 
             store.remove_empty_folder(HOLDS)
 
 
-def _not_a_decision(store: Any, name: str, step: int, newest: int | None) -> str | None:
+def not_a_decision(store: Any, name: str, step: int, newest: int | None) -> str | None:
     """What is wrong with ``kept-step-N.json`` as retention's record of keeping step ``step``
     for a reader (None: it is one, and the step is older than ``newest``, the newest published
     step)."""
@@ -272,7 +272,7 @@ class Hold:
                 continue
             if not newest:
                 newest.append(max(self.store.published_steps(), default=None))
-            problem = _not_a_decision(self.store, name, step, newest[0])
+            problem = not_a_decision(self.store, name, step, newest[0])
             if problem is not None:
                 where = self.store.location(f"{HOLDS}/{name}")
                 logger.warning("checkpoint: %s is no decision of retention (%s)", where, problem)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +14,7 @@ from dcpkit.layout import parse_step
 from dcpkit.readers import steps_folder
 from dcpkit.storage import StepEntry, open_store
 from dcpkit.storage.holds import StepGone, describe, held_steps, hold_step
+from dcpkit.tools.prune import kept_steps
 from dcpkit.units import human_bytes
 
 
@@ -67,12 +70,15 @@ def list_checkpoints(
     store = steps_folder(folder, storage_options)  # a run's folder: its checkpoint folder
     entries = store.entries()
     held = held_steps(store, [e.step for e in entries if e.published and e.step is not None])
+    kept = kept_steps(store)
     checked = "sizes, structure and checksums" if checksums else "sizes and structure"
     for entry in entries:
         if entry.published:
             _verify(store, entry, checksums, checked)
         readers = held.get(entry.step, []) if entry.published else []
-        if readers:
+        if entry.published and entry.step in kept:  # its readers too, if any live
+            entry.status += "; " + kept[entry.step].status(store.root)
+        elif readers:
             entry.status += f"; held by {len(readers)} reader(s): " + "; ".join(
                 describe(r) for r in readers
             )
@@ -139,3 +145,16 @@ def listing_lines(listing: Listing) -> list[str]:
 def corrupt(listing: Listing) -> list[str]:
     """The published checkpoints of ``listing`` that failed verification."""
     return [e.name for e in listing.entries if e.status.startswith("CORRUPT")]
+
+
+def command(args: argparse.Namespace) -> int:
+    """``dcpkit list``: exit 1 when a published checkpoint fails verification."""
+    listing = list_checkpoints(
+        args.folder, checksums=args.checksums, local_folder=args.local_folder
+    )
+    print("\n".join(listing_lines(listing)))
+    bad = corrupt(listing)
+    if bad:
+        print(f"error: {len(bad)} checkpoint(s) failed verification: {', '.join(bad)}; run "
+              "`dcpkit verify` on one for every problem", file=sys.stderr)  # fmt: skip
+    return 1 if bad else 0
