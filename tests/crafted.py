@@ -112,6 +112,14 @@ def _negative_length(md: Any, key: str) -> None:
         md.storage_data[k].length = -8
 
 
+def _transforms(names: object) -> Callable[[Any, str], None]:
+    def change(md: Any, key: str) -> None:  # the record's bytes said to be transformed
+        for k in _storage(md, key):
+            md.storage_data[k].transform_descriptors = names
+
+    return change
+
+
 CASES = [
     Case("negative-offset", "negative offset", _negative_offset),
     Case("huge", "record holds", _huge),
@@ -123,6 +131,10 @@ CASES = [
     Case("dtype", "record holds", _dtype),
     Case("cut-record", "not a readable torch.save record", _short_length),
     Case("negative-length", "negative length", _negative_length),
+    # DCP's compression, in a step dcpkit wrote (which transforms nothing); garbled; unknown
+    Case("zstd-in-a-dcpkit-step", "is stored with transforms", _transforms(["stream.zstd/1"])),
+    Case("garbled-transform", "is stored with transforms", _transforms(["stream.zstd"])),
+    Case("unknown-transform", "is stored with transforms", _transforms(["made.up/1"])),
 ]
 
 

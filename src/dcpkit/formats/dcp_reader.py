@@ -11,9 +11,8 @@ destinations (a column slice, another dtype, a GPU tensor) get the stored rows r
 copied. The reads of a rank are split into byte-balanced runs over ``thread_count`` threads,
 each with its own file handles (file reads release the GIL).
 
-It stays a ``FileSystemReader`` (same metadata, same plans), so every checkpoint DCP or
-TorchTitan wrote loads, at any other layout; stored chunks with storage transforms (DCP's
-compression extensions) are read by DCP's own path.
+It stays a ``FileSystemReader`` (same metadata, same plans): every checkpoint DCP or TorchTitan
+wrote loads, at any layout; chunks with transforms (DCP's compression) are read by DCP's path.
 """
 
 from __future__ import annotations
@@ -38,7 +37,12 @@ from dcpkit.dist import io_threads
 from dcpkit.errors import CorruptCheckpoint, transient
 from dcpkit.formats import shared_read, torchfile
 from dcpkit.formats.dcp_index import Region
-from dcpkit.formats.rules import open_record, record_problem, storage_entry_problem
+from dcpkit.formats.rules import (
+    open_record,
+    record_problem,
+    storage_entry_problem,
+    transform_problem,
+)
 from dcpkit.formats.torchfile import TensorRef, TorchSaveFile
 from dcpkit.manifest import Problem
 from dcpkit.safe_pickle import safe_reader
@@ -83,14 +87,18 @@ class DirectFileSystemReader(safe_reader(FileSystemReader)):  # type: ignore[mis
         items, transformed = [], False
         for item in plan.items:
             info = self.storage_data[item.storage_index]
-            transformed = transformed or bool(getattr(info, "transform_descriptors", None))
+            name, transforms = info.relative_path, getattr(info, "transform_descriptors", None)
+            if transforms:  # read by DCP's own path, when they are transforms it can undo
+                if problem := transform_problem(
+                    item.storage_index.fqn, name, transforms, bool(self.checksums)
+                ):
+                    raise CorruptCheckpoint(f"{self.path}/{name}: {problem}")
+                transformed = True
             items.append((info.relative_path, info.offset, info.length, item))
         items.sort(key=lambda x: (x[0], x[1]))
         if self.shared and self._read_shared(items, planner, not transformed):
             return _done()
-        if transformed:
-            if self.checksums:
-                raise ValueError("fused verification cannot read transformed storage")
+        if transformed:  # (a step with checksums has none: refused above)
             return super().read_data(plan, planner)
         verified = {name: [e for e in items if e[0] == name] for name in self.checksums}
         rest = [e for e in items if e[0] not in self.checksums]

@@ -4,6 +4,8 @@ calls these, so that a tool that says OK has run what a load refuses on.
 
 - A storage entry (``length`` bytes at ``offset`` of a data file) has no negative offset or
   length and lies inside a file that exists.
+- Storage transforms (DCP's extensions, such as compression) are ones this torch's DCP can undo,
+  and none in a step dcpkit wrote (it transforms no record).
 - The record there is a ``torch.save`` archive of one tensor whose dtype and shape are the ones
   ``.metadata`` gives its chunk (a record's own header decides what its bytes are; a claim in
   ``.metadata`` that the record does not back is refused before anything is allocated).
@@ -81,3 +83,29 @@ def check_record(
     if problem is not None:
         raise ValueError(problem)
     return archive
+
+
+def transform_problem(fqn: str, name: str, descriptors: Any, raw_only: bool) -> str | None:
+    """What is wrong with the storage transforms (DCP's extensions, such as compression) that
+    ``.metadata`` names for ``fqn``'s record in file ``name``: in a step dcpkit wrote
+    (``raw_only``: it has dcpkit's manifest) any, since dcpkit transforms no record; elsewhere
+    names this torch's DCP cannot undo. None when there are none, or DCP can read them."""
+    if not descriptors:
+        return None
+    said = f"{fqn}: .metadata says its record in {name} is stored with transforms"
+    names = isinstance(descriptors, list | tuple) and all(isinstance(d, str) for d in descriptors)
+    if not names:
+        return f"{said} {descriptors!r}, which is no list of transform names"
+    said += f" {list(descriptors)}"
+    if raw_only:
+        return (
+            f"{said}, but dcpkit wrote this step (its dcpkit.json) and transforms no record: "
+            ".metadata was changed after it was written"
+        )
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    try:
+        ExtensionRegistry().from_descriptor_list(list(descriptors))
+    except Exception as e:  # ValueError for an unknown name or version, or what a class raises
+        return f"{said}, which this torch's DCP cannot undo ({e})"
+    return None

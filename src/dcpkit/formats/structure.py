@@ -12,9 +12,9 @@ from typing import Any
 from dcpkit.formats.chunks import chunk_problems
 from dcpkit.formats.dcp import DCPCheckpoint, NotACheckpoint, open_local
 from dcpkit.formats.dcp_index import Box, DcpIndex
-from dcpkit.formats.rules import check_record, storage_entry_problem
+from dcpkit.formats.rules import check_record, storage_entry_problem, transform_problem
 from dcpkit.formats.safetensors import read_header
-from dcpkit.layout import HF_INDEX, METADATA, METADATA_INDEX
+from dcpkit.layout import HF_INDEX, MANIFEST, METADATA, METADATA_INDEX
 from dcpkit.manifest import Problem
 from dcpkit.safe_pickle import UnsafeCheckpoint
 
@@ -60,7 +60,7 @@ def dcp_problems(
                         info.length,
                         None if chunk is None else list(chunk.sizes),
                         tmd.properties.dtype if chunk is not None else None,
-                        bool(getattr(info, "transform_descriptors", None)),
+                        getattr(info, "transform_descriptors", None),
                     )
     return problems, md
 
@@ -112,14 +112,17 @@ class RecordChecks:
         length: int,
         sizes: list[int] | None,
         dtype: Any,
-        transformed: bool = False,
+        transforms: Any = None,
     ) -> list[Problem]:
         """The problems of ``fqn``'s storage entry (``length`` bytes at ``offset`` of file
-        ``name``) and, for a tensor's chunk of shape ``sizes``, of the record there."""
+        ``name``, stored with the DCP ``transforms`` named) and, for a tensor's chunk of shape
+        ``sizes``, of the record there."""
         problem = storage_entry_problem(fqn, offset, length, self.sizes.get(name))
+        if problem is None:
+            problem = transform_problem(fqn, name, transforms, MANIFEST in self.sizes)
         if problem is not None:
             return [Problem(name, problem)]
-        if sizes is None or transformed or not self.headers:  # a value (parsed when read),
+        if sizes is None or transforms or not self.headers:  # a value (parsed when read),
             return []  # compressed bytes, or a reader that checks each header as it reads
         try:
             f = self.files.get(name)
