@@ -227,3 +227,55 @@ def test_the_trainer_mixin_refuses_an_untested_transformers_and_options_it_canno
         monkeypatch.setattr(integration, "installed_version", lambda v=version: v)
         with pytest.raises(ConfigError, match=rf"tested with transformers .*this is .*{version}"):
             build()
+
+
+@pytest.mark.parametrize(
+    "saved, rule",
+    [
+        ([1, 2], "a JSON list, not the object of a TrainerState"),
+        ({"global_step": "x"}, "global_step = 'x', where a TrainerState holds int"),
+        ({"global_step": 3, "mood": "x"}, "fields this release's TrainerState does not have: mood"),
+        (b"{", "not a JSON document"),
+    ],
+    ids=["a-list", "a-string-step", "an-unknown-field", "no-json"],
+)
+def test_a_saved_trainer_state_the_trainer_cannot_read_is_refused_naming_key_and_rule(
+    tmp_path, saved, rule
+):
+    """A step whose saved ``TrainerState`` is not one (written by a broken or hostile writer
+    through the public API): the resume stops before the Trainer reads it, naming the step,
+    the key and what is wrong, instead of a raw error inside the Trainer."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager
+    from dcpkit.integrations.transformers import DcpkitTrainerMixin
+
+    class Saved:
+        def state_dict(self):
+            raw = saved if isinstance(saved, bytes) else json.dumps(saved).encode()
+            return {"json": torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
+
+        def load_state_dict(self, state):
+            pass
+
+    config = CheckpointConfig(enable=True, interval=1)
+    layer = torch.nn.Linear(2, 2)
+    with CheckpointManager(
+        config, tmp_path, layer, per_rank_states={"trainer_state": Saved()}
+    ) as m:
+        m.save(3)
+
+    class MyTrainer(DcpkitTrainerMixin, Trainer):
+        pass
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8,
+                                         num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=4)
+    trainer = MyTrainer(model=model, args=args, train_dataset=[{"input_ids": torch.zeros(4)}])
+    with pytest.raises(CheckpointError) as e:
+        trainer.train(resume_from_checkpoint=True)
+    said = "step-3: its trainer_state.rank_0.json cannot be the Trainer's TrainerState: "
+    assert said in str(e.value), e.value
+    assert rule in str(e.value), e.value

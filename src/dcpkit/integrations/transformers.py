@@ -46,7 +46,12 @@ from dcpkit.engine.states import capture_rng, rank_key, restore_rng
 from dcpkit.engine.together import decided, together
 from dcpkit.errors import CheckpointError
 from dcpkit.formats.dcp import DCPCheckpoint
-from dcpkit.integrations.trainer_folders import TRAINER_STEP, link_steps, trainer_folders
+from dcpkit.integrations.trainer_folders import (
+    TRAINER_STEP,
+    link_steps,
+    trainer_folders,
+    trainer_state_problem,
+)
 from dcpkit.layout import step_name
 from dcpkit.storage.opening import local_path, open_store
 
@@ -298,12 +303,11 @@ class DcpkitTrainerMixin:
                     "Trainer integration"
                 )
             raw = bytes(src.read(key).numpy().tobytes())
-        try:
-            json.loads(raw)
-        except ValueError as e:
+        problem = trainer_state_problem(raw)
+        if problem is not None:
             raise CheckpointError(
-                f"{store.location(name)}: its {key} is not a JSON document ({e})"
-            ) from None
+                f"{store.location(name)}: its {key} cannot be the Trainer's TrainerState: {problem}"
+            )
         folder = tempfile.TemporaryDirectory(prefix="dcpkit-resume-")
         (Path(folder.name) / TRAINER_STATE_NAME).write_bytes(raw)
         self._dcpkit_resume = (step, folder)
