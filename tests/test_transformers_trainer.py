@@ -152,6 +152,50 @@ def test_a_lora_fine_tune_under_the_trainer_resumes_bitwise(tmp_path):
     resumed, log = trainer_run(out, "--resume", env=lora)
     assert "step-9" in log and {s for _, s, _ in resumed} == set(range(10, 15))
     assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
+    _exports_of_a_lora_step(out / "checkpoint" / "step-14", tmp_path)
+
+
+def _exports_of_a_lora_step(step: Path, tmp_path: Path) -> None:
+    """`to-hf` of the step with no arguments: the adapter folder, which PEFT loads onto the base;
+    `--merge`: the merged model, which transformers loads alone. Both give the trained model's
+    logits (the base the example builds, seed 0, with the step's weights) within 1e-5."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from dcpkit.formats.dcp import DCPCheckpoint
+
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    done = cli("to-hf", str(step), str(adapter))
+    assert done.returncode == 0, done.stderr
+    assert "a PEFT model: from the checkpoint's manifest" in done.stdout, done.stdout
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in adapter.iterdir()
+    }
+    done = cli("to-hf", str(step), str(merged), "--merge")
+    assert done.returncode == 0, done.stderr
+    config = LlamaConfig.from_pretrained(merged)
+
+    def base() -> LlamaForCausalLM:  # as the example builds it
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        model.config._attn_implementation = "eager"
+        return model
+
+    trained = get_peft_model(base(), LoraConfig.from_pretrained(adapter))
+    with DCPCheckpoint(step) as src:
+        weights = {k: src.read(k) for k in src.tensors if src.is_model_key(k)}
+    assert set(weights) == set(trained.state_dict())
+    frozen = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert torch.equal(weights[frozen], trained.state_dict()[frozen])  # the base is the example's
+    trained.load_state_dict(weights)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = trained.eval()(input_ids=tokens).logits
+        peft = PeftModel.from_pretrained(base(), adapter).eval()
+        whole = AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager").eval()
+        for model in (peft, whole):
+            assert (model(input_ids=tokens).logits - want).abs().max().item() <= 1e-5
+    assert not any("lora" in k for k in whole.state_dict())
 
 
 @pytest.mark.dist

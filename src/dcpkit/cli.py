@@ -32,20 +32,6 @@ def _tool(module: str):
     return run
 
 
-def _cmd_plot(args: argparse.Namespace, rest: list[str]) -> int:
-    from dcpkit.tools.plot import plot_paths
-
-    print(plot_paths(args.runs, args.output, names=args.names))
-    return 0
-
-
-def _cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
-    from dcpkit.tools.report import render_report
-
-    print(render_report(args.run, args.output, compare=args.compare, verify=not args.quick))
-    return 0
-
-
 def _cmd_inspect(args: argparse.Namespace, rest: list[str]) -> int:
     import json
 
@@ -133,6 +119,7 @@ def _cmd_to_hf(args: argparse.Namespace, rest: list[str]) -> int:
         verify=args.verify,
         force=args.force,
         budget=_budget(args),
+        merge=args.merge,
     )
     if args.follow:
         from dcpkit.convert.hf_follow import to_hf_following
@@ -282,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read every tensor back and compare logits with transformers",
     )
+    p.add_argument(
+        "--merge", action="store_true", help="a PEFT step: the base with its adapters merged in"
+    )
     _add_common_convert(p)
     _add_step(p)
     p.add_argument(
@@ -354,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run's dump folder (metrics.jsonl)")
     p.add_argument("-o", "--output", required=True, metavar="FILE.png")
     p.add_argument("--names", nargs="+", metavar="NAME", help="legend names, one per run")
-    p.set_defaults(func=_cmd_plot, passthrough=False)
+    p.set_defaults(func=_tool("plot"), passthrough=False)
 
     p = sub.add_parser("report", help="a self-contained HTML page about a run")
     p.add_argument("run", help="the run's dump folder (metrics.jsonl, checkpoint folder)")
@@ -365,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick", action="store_true", help="check checkpoints' sizes and structure, no checksums"
     )
-    p.set_defaults(func=_cmd_report, passthrough=False)
+    p.set_defaults(func=_tool("report"), passthrough=False)
     return parser
 
 

@@ -28,6 +28,10 @@ HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
 HF_FILES = frozenset({HF_INDEX, HF_SINGLE})
 """Either makes a folder a Hugging Face safetensors folder (an index, or a single file)."""
+ADAPTER_FILE = "adapter_model.safetensors"
+"""A PEFT adapter folder's weights (an export of a PEFT step: ``convert.peft``)."""
+EXPORT_FILES = HF_FILES | {ADAPTER_FILE}
+"""Any makes a folder a complete export."""
 
 LEASE = ".dcpkit-lease"
 """The lease of the run saving into a checkpoint folder (see ``engine.lease``)."""

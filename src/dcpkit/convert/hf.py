@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,8 @@ from dcpkit.convert.fp8 import dequantizing
 from dcpkit.convert.hf_files import copy_tokenizer, find_tokenizer, special_ids, write_json
 from dcpkit.convert.hf_verify import verify_dcp_tensors, verify_hf_tensors, verify_logits
 from dcpkit.convert.model_record import bounded_args, kept_config, model_record, recorded_model
+from dcpkit.convert.peft import to_peft_folder
+from dcpkit.convert.result import ConversionResult
 from dcpkit.convert.views import FromHF, ToHF
 from dcpkit.formats.blocks import recycled_blocks
 from dcpkit.formats.dcp import DCPCheckpoint, meta_tensor, write_dcp
@@ -33,53 +34,7 @@ from dcpkit.layout import MODEL, dtype_name
 from dcpkit.manifest import build_manifest
 from dcpkit.readers import held_view
 from dcpkit.storage import open_checkpoint
-from dcpkit.units import human_bytes, parse_size
-
-
-@dataclass
-class ConversionResult:
-    output: str
-    tensors: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    dropped: list[tuple[str, str]] = field(default_factory=list)
-    flavor: str = ""
-    max_tensor_diff: float | None = None
-    max_logits_diff: float | None = None
-    """The export's logits (transformers) against the source checkpoint's model's."""
-    logits_tolerance: float | None = None
-    logits_tolerance_why: str = ""
-    max_implementation_diff: float | None = None
-    """A rounded export: transformers against dcpkit's model, both on the exported weights."""
-    notes: list[str] = field(default_factory=list)
-
-    def lines(self, verb: str) -> list[str]:
-        """What the command line prints about this conversion."""
-        out = [
-            f"{verb}: {self.tensors} tensors, {human_bytes(self.bytes)} -> {self.output} "
-            f"in {self.seconds:.1f}s"
-        ]
-        if self.flavor:
-            out.append(f"  flavor: {self.flavor}")
-        out += [f"  dropped {key}: {why}" for key, why in self.dropped]
-        if self.max_tensor_diff is not None:
-            out.append(
-                "  verified: every tensor read back matches; max abs diff vs source "
-                f"{self.max_tensor_diff:.3g}"
-            )
-        if self.max_implementation_diff is not None:
-            out.append(
-                "  verified: transformers runs the exported weights as dcpkit's model does, max "
-                f"abs diff of the logits {self.max_implementation_diff:.3g} (tolerance 1e-4)"
-            )
-        if self.max_logits_diff is not None:
-            out.append(
-                "  verified: transformers logits of the export vs the source checkpoint's model, "
-                f"max abs diff {self.max_logits_diff:.3g}, within the tolerance "
-                f"{self.logits_tolerance:.3g} ({self.logits_tolerance_why})"
-            )
-        return out + [f"  note: {note}" for note in self.notes]
-
+from dcpkit.units import parse_size
 
 # --- to HF ---------------------------------------------------------------------------------------
 
@@ -97,13 +52,16 @@ def to_hf(
     budget: int = DEFAULT_BUDGET,
     storage_options: dict[str, Any] | None = None,
     step: int | str | None = None,
+    merge: bool = False,
 ) -> ConversionResult:
     """Export the model of a DCP checkpoint (a folder or a URL) as a Hugging Face folder.
 
     ``family``: None infers it from the checkpoint's parameter names (said in the notes);
     ``flavor`` is a flavor name or the model's args (for family ``hf``: its config.json).
     ``step`` (a number or ``latest``): ``ckpt`` is a checkpoint folder. The step read is held
-    against the run's retention until the export is written."""
+    against the run's retention until the export is written. A step of a PEFT model (its
+    manifest records the LoRA config) is exported as its adapter folder, or with ``merge`` as
+    the base model with the adapters merged in (``dcpkit.convert.peft``)."""
     start = time.perf_counter()
     with (
         held_view(ckpt, storage_options, step=step, purpose="to-hf") as view,
@@ -111,6 +69,11 @@ def to_hf(
     ):
         refuse_broken(view)
         inferred, recorded = None, recorded_model(view.path)
+        if (recorded or {}).get("peft") is not None and family in (None, "hf"):
+            return _peft(src, out, str(ckpt), recorded, merge, tokenizer, dtype, verify, force,
+                         storage_options, max_shard_size, budget, start)  # fmt: skip
+        if merge:
+            raise ConversionError(f"{ckpt}: --merge merges a PEFT model's adapters; none is here")
         if recorded is not None and flavor is None and family in (None, recorded["family"]):
             family, flavor = recorded["family"], recorded["config"]
             inferred = f"model family {family} and its args: from the checkpoint's manifest"
@@ -170,6 +133,26 @@ def to_hf(
     if inferred:
         result.notes.insert(0, inferred)
     result.seconds = time.perf_counter() - start
+    return result
+
+
+def _peft(src, out, name, recorded, merge, tokenizer, dtype, verify, force, options, shard, budget,
+          start):  # type: ignore[no-untyped-def]  # fmt: skip
+    """``to_hf`` of a PEFT step: its adapter folder, or merged (see ``to_hf``)."""
+    if verify:
+        raise ConversionError(
+            f"{name}: --verify compares an export with the step's own model, which for a PEFT "
+            "step is the base with its adapters: load the export with PeftModel.from_pretrained "
+            "(or, merged, from_pretrained) to check it"
+        )
+    with output(out, is_dir=True, force=force, storage_options=options) as pending:
+        result = to_peft_folder(src, pending, name, recorded, merge, tokenizer, dtype,
+                                parse_size(shard), budget)  # fmt: skip
+        manifest = build_manifest(None, 1, [MODEL], pending.describe(pending.local_files()),
+                                  source=f"{name} (PEFT{', merged' if merge else ''})")  # fmt: skip
+        pending.write_manifest(manifest)
+        pending.publish()
+    result.output, result.seconds = str(out), time.perf_counter() - start
     return result
 
 

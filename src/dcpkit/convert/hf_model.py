@@ -31,6 +31,9 @@ class HFModel:
     family: str
     args: Any
     tokenizer: str | None = None
+    peft: dict[str, Any] | None = None
+    """For a PEFT model: its adapter's name and LoRA config (``convert.peft.peft_record``),
+    recorded beside the base's config so that an export can write the adapter or merge it."""
 
     def __post_init__(self) -> None:
         from dcpkit.config import ConfigError
@@ -60,10 +63,11 @@ class HFModel:
         """The model's family and a ``config.json`` of its args, for a checkpoint's manifest:
         an export of the checkpoint then needs no flavor."""
         adapter = get_adapter(self.family)
-        return {
+        record = {
             "family": self.family,
             "config": adapter.hf_config(self.args, torch.float32, None, None),
         }
+        return record if self.peft is None else {**record, "peft": self.peft}
 
     def export(self, view: Any, out: Path) -> None:
         """Write the model of the DCP checkpoint ``view`` into the empty folder ``out``."""

@@ -184,9 +184,11 @@ class DcpkitTrainerMixin:
         """This run's ``CheckpointManager`` (the Trainer's model, optimizer and scheduler)."""
         if self._dcpkit is None:
             from dcpkit.convert.hf_model import HFModel
+            from dcpkit.convert.peft import peft_record
 
             model = self.model  # type: ignore[attr-defined]
-            config = getattr(model, "config", None)
+            config = getattr(model, "config", None)  # a PEFT model's: its base's
+            hf = None if config is None else HFModel("hf", config, peft=peft_record(model))
             self._dcpkit = CheckpointManager(
                 self.dcpkit_config,
                 self.args.output_dir,  # type: ignore[attr-defined]
@@ -194,7 +196,7 @@ class DcpkitTrainerMixin:
                 optimizer=getattr(self.optimizer, "optimizer", self.optimizer),  # type: ignore[attr-defined]
                 lr_scheduler=getattr(self.lr_scheduler, "scheduler", self.lr_scheduler),  # type: ignore[attr-defined]
                 per_rank_states={STATE_KEY: _TrainerState(self)},  # ranks' logs differ
-                hf_model=HFModel("hf", config) if config is not None else None,
+                hf_model=hf,
             )
         return self._dcpkit
 

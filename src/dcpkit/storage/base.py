@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 
 from dcpkit import dist, failpoints
 from dcpkit.layout import (
-    HF_FILES,
+    EXPORT_FILES,
     MANIFEST,
     METADATA,
     STEP_PREFIX,
@@ -289,7 +289,7 @@ class CheckpointStore(ABC):
     def holds_checkpoint(self, name: str) -> bool:
         """DCP metadata, or a Hugging Face index or single file, in folder ``name``."""
         names = set(self.list_names(name))
-        return METADATA in names or bool(names & HF_FILES)
+        return METADATA in names or bool(names & EXPORT_FILES)
 
     def published_steps(self) -> list[int]:
         """Steps of the published checkpoints, ascending."""

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from dcpkit import dist, failpoints
 from dcpkit.dist import io_threads
 from dcpkit.layout import (
-    HF_FILES,
+    EXPORT_FILES,
     MANIFEST,
     METADATA,
     OLD_PREFIX,
@@ -351,7 +351,7 @@ class LocalPending(PendingStep):
     def _commit(self) -> None:
         if self.is_dir:
             names = set(os.listdir(self.tmp))
-            if METADATA not in names and not names & HF_FILES:
+            if METADATA not in names and not names & EXPORT_FILES:
                 raise RuntimeError(
                     f"refusing to publish {self.tmp}: it holds no complete checkpoint"
                 )

@@ -148,3 +148,9 @@ def plot_runs(
 def plot_paths(paths: list[str | Path], out: str | Path, names: list[str] | None = None) -> Path:
     """``dcpkit plot``: read each run folder's metrics and draw them into ``out``."""
     return plot_runs([read_run(p) for p in paths], out, names=names)
+
+
+def command(args: Any) -> int:
+    """``dcpkit plot``."""
+    print(plot_paths(args.runs, args.output, names=args.names))
+    return 0

@@ -221,3 +221,9 @@ def render_report(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)
     return out
+
+
+def command(args: Any) -> int:
+    """``dcpkit report``."""
+    print(render_report(args.run, args.output, compare=args.compare, verify=not args.quick))
+    return 0
