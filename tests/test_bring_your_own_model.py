@@ -137,6 +137,10 @@ def test_a_transformers_model_saved_with_its_config_exports_with_no_arguments(mo
         mgr.save(1)
     proc = cli("to-hf", str(tmp_path / "checkpoint" / "step-1"), str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr
+    # --model hf alone: the config is the manifest's, not asked for again
+    named = cli("to-hf", str(tmp_path / "checkpoint" / "step-1"), str(tmp_path / "named"),
+                "--model", "hf")  # fmt: skip
+    assert named.returncode == 0 and "from the checkpoint's manifest" in named.stdout, named
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

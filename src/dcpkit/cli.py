@@ -108,8 +108,6 @@ def _cmd_to_hf(args: argparse.Namespace, rest: list[str]) -> int:
         )
     if args.config and args.flavor:
         raise CLIError("to-hf takes --flavor or --config (the model's config.json), not both")
-    if args.model == "hf" and not args.config:
-        raise CLIError("to-hf --model hf needs the model's config.json: --config CONFIG_JSON")
     options = dict(
         family=args.model,
         flavor=args.config or args.flavor,
