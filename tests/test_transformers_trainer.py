@@ -125,6 +125,15 @@ def test_trl_sft_trainer_resumes_bitwise(tmp_path):
     resumed, log = trainer_run(out, "--resume", env=sft)
     assert "step-9" in log and {s for _, s, _ in resumed} == set(range(10, 15))
     assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
+    # `to-hf STEP OUT` alone: the model, and the run's tokenizer (saved once into output_dir)
+    hf = tmp_path / "hf"
+    done = cli("to-hf", str(out / "checkpoint" / "step-14"), str(hf))
+    assert done.returncode == 0 and f"tokenizer: {out}'s" in done.stdout, done
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf)  # the run's: t0..t127, eos t1
+    assert tokenizer("t5")["input_ids"][0] == 5 and tokenizer.eos_token == "t1"
+    assert AutoModelForCausalLM.from_pretrained(hf).config.eos_token_id == 1  # the tokenizer's
     out = tmp_path / "killed"  # SIGKILL in the middle of step 12's write
     trainer_run(out, env={**sft, "DCPKIT_FAILPOINT": "mid_write:12"}, ok=False)
     assert steps_of(out / "checkpoint") == ["step-3", "step-6", "step-9"]

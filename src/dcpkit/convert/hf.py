@@ -20,7 +20,13 @@ from dcpkit.convert.adapters.base import infer_family
 from dcpkit.convert.adapters.hf import HFConfig, read_config_json
 from dcpkit.convert.common import DEFAULT_BUDGET, output, progress, row_blocks
 from dcpkit.convert.fp8 import dequantizing
-from dcpkit.convert.hf_files import copy_tokenizer, find_tokenizer, special_ids, write_json
+from dcpkit.convert.hf_files import (
+    copy_tokenizer,
+    find_tokenizer,
+    special_ids,
+    tokenizer_beside,
+    write_json,
+)
 from dcpkit.convert.hf_verify import verify_dcp_tensors, verify_hf_tensors, verify_logits
 from dcpkit.convert.model_record import bounded_args, kept_config, model_record, recorded_model
 from dcpkit.convert.peft import to_peft_folder
@@ -34,6 +40,7 @@ from dcpkit.layout import MODEL, dtype_name
 from dcpkit.manifest import build_manifest
 from dcpkit.readers import held_view
 from dcpkit.storage import open_checkpoint
+from dcpkit.storage.opening import local_path
 from dcpkit.units import parse_size
 
 # --- to HF ---------------------------------------------------------------------------------------
@@ -68,10 +75,19 @@ def to_hf(
         DCPCheckpoint(view.path, view.opener) as src,
     ):
         refuse_broken(view)
-        inferred, recorded = None, recorded_model(view.path)
+        inferred, recorded, found = None, recorded_model(view.path), None
+        if (
+            tokenizer is None
+            and (recorded or {}).get("family") == "hf"
+            and local_path(view.location)
+        ):
+            tokenizer = found = tokenizer_beside(Path(view.path))  # a Trainer's output_dir
+        said = f"tokenizer: {found}'s, beside the run's checkpoint folder (--tokenizer: another)"
         if (recorded or {}).get("peft") is not None and family in (None, "hf"):
-            return _peft(src, out, str(ckpt), recorded, merge, tokenizer, dtype, verify, force,
-                         storage_options, max_shard_size, budget, start)  # fmt: skip
+            result = _peft(src, out, str(ckpt), recorded, merge, tokenizer, dtype, verify, force,
+                           storage_options, max_shard_size, budget, start)  # fmt: skip
+            result.notes += [said] if found else []
+            return result
         if merge:
             raise ConversionError(f"{ckpt}: --merge merges a PEFT model's adapters; none is here")
         if recorded is not None and flavor is None and family in (None, recorded["family"]):
@@ -132,6 +148,7 @@ def to_hf(
             pending.publish()
     if inferred:
         result.notes.insert(0, inferred)
+    result.notes += [said] if found else []
     result.seconds = time.perf_counter() - start
     return result
 

@@ -26,6 +26,13 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def tokenizer_beside(step: Path) -> Path | None:
+    """The folder of the run whose local step folder is ``step``, when it holds tokenizer files
+    (a ``Trainer``'s ``output_dir``, where dcpkit's integration saves its tokenizer once)."""
+    run = Path(step).parent.parent
+    return run if any((run / n).is_file() for n in TOKENIZER_FILES) else None
+
+
 def find_tokenizer(path: Path, max_len: int | None = None) -> dict[str, Path | str]:
     """The tokenizer files to ship, by name: a path to copy or the text to write.
 

@@ -94,3 +94,17 @@ def _fits(value: Any, annotation: Any) -> bool:
     if isinstance(value, int):
         return int in options or float in options
     return any(o is not type(None) and isinstance(value, o) for o in options)
+
+
+def keep_tokenizer(out: Path, tokenizer: Any) -> bool:
+    """The run's tokenizer (the Trainer's ``processing_class``), saved once into ``output_dir``
+    beside the checkpoint folder, where ``dcpkit to-hf`` of a step finds it (the Trainer's own
+    ``checkpoint-N`` holds a copy each); whether it was saved now."""
+    from dcpkit.convert.hf_files import TOKENIZER_FILES
+
+    if not hasattr(tokenizer, "save_pretrained") or any(
+        (out / n).is_file() for n in TOKENIZER_FILES
+    ):
+        return False
+    tokenizer.save_pretrained(str(out))
+    return True

@@ -48,6 +48,7 @@ from dcpkit.errors import CheckpointError
 from dcpkit.formats.dcp import DCPCheckpoint
 from dcpkit.integrations.trainer_folders import (
     TRAINER_STEP,
+    keep_tokenizer,
     link_steps,
     trainer_folders,
     trainer_state_problem,
@@ -342,6 +343,7 @@ class DcpkitTrainerMixin:
             link_steps(out, folder, step, manager.published_steps())
         except Exception as e:  # a file system without links: the steps stay step-N only
             logger.warning("checkpoint: could not link %s/checkpoint-N: %s", out, e)
+        keep_tokenizer(out, getattr(self, "processing_class", None))
 
     def _load_best_model(self) -> None:  # load_best_model_at_end: the best step's model only
         manager = self.dcpkit_manager()
