@@ -3,9 +3,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SITE   := site
-# pytest processes side by side (xdist); a test marked `alone` runs with none beside it
+# pytest processes side by side (xdist); the tests marked `alone` (they time something, or
+# measure the host) run after them, one at a time, with nothing beside them
 TEST_WORKERS ?= 2
 PYTEST_ARGS  := -q --durations=40 -n $(TEST_WORKERS) --dist loadfile
+ALONE_ARGS   := -q --durations=10
 
 .PHONY: demo test test-profile docs chromium lint fuzz venv clean report-check wheel-check
 
@@ -23,7 +25,9 @@ demo: $(STAMP)
 test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d $(SITE)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not alone"; side=$$?; \
+	DCPKIT_TEST_PROFILE_MERGE=1 $(PY) -m pytest $(ALONE_ARGS) -m alone; alone=$$?; \
+	test $$side = 0 -a $$alone = 0
 
 # The suite run once with its profile: where the time goes, per test file and per kind of cost,
 # written to benchmarks/results/test_profile.json (docs/contributing.md shows its totals).

@@ -3,7 +3,8 @@
 ``make test`` runs the suite in two pytest workers: while one waits on a server, a subprocess or
 a fixed interval of the code under test, the other uses the cores. Most tests do not mind a
 neighbour. A test that measures time or the host (a stall beside a baseline, an expiry in
-seconds, a host's free memory) is marked ``@pytest.mark.alone``: it starts once the tests
+seconds, a host's free memory) is marked ``@pytest.mark.alone``: ``make test`` runs those in a
+second pass, one at a time; under a plain ``pytest -n``, such a test starts once the tests
 running beside it have ended, and no other test starts until it has ended.
 
 The workers agree through two lock files of the run (``flock``): every test holds ``RUN``
