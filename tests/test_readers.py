@@ -118,12 +118,13 @@ def test_a_killed_readers_step_is_listed_as_kept_and_pruned_once_its_hold_expire
                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
             assert reader.stdout.readline().split() == ["held", "step-2"]
-            mgr.save(3)
-            mgr.save(4)  # the run's last save
+            for step in (3, 4):  # the run's last saves, `list` beside them again and again
+                mgr.save(step)
+                for _ in range(10):  # (retention runs in the background meanwhile)
+                    listing = cli("list", str(folder))
+                    assert listing.returncode == 0, listing.stderr
             mgr.wait()
-            for _ in range(20):
-                listing = cli("list", str(folder))
-                assert listing.returncode == 0, listing.stderr
+            listing = cli("list", str(folder))
             row = next(x for x in listing.stdout.splitlines() if x.startswith("step-2 "))
             assert "held by 1 reader(s): an evaluation (host" in row, row
             assert "kept past retention for them" in row, row
