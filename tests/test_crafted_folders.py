@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import Counter, cli
+from conftest import Counter, cli, run_script
 from crafted import CASES, craft
 from dcpkit import CheckpointConfig, CheckpointManager, CorruptCheckpoint
 from dcpkit.models import build_model
@@ -91,6 +91,21 @@ def test_every_entry_point_refuses_a_crafted_folder(base, tmp_path, case):
         with mgr, pytest.raises(CorruptCheckpoint) as e:
             mgr.load()
         _names(str(e.value), FILES, key, case.rule)
+
+
+def test_a_two_rank_load_refuses_each_crafted_folder_on_every_rank(base, tmp_path):
+    """Every case loaded by a 2-rank job (a reshard of the 1-rank checkpoint), with and without
+    ``verify_on_load``: each rank refuses, naming the key and the rule, none loads and none
+    waits for the other."""
+    _, key = base
+    runs = [_copy(base, tmp_path, case)[0] for case in CASES]
+    proc = run_script(2, "crafted_load.py", *map(str, runs))
+    lines = [x.split(" ", 5) for x in proc.stdout.splitlines() if x.startswith("RANK ")]
+    assert len(lines) == 2 * 2 * len(CASES), proc.stdout[-3000:]
+    rules = {case.name: case.rule for case in CASES}
+    for _, rank, name, verify, verdict, message in lines:
+        assert verdict == "REFUSED", (rank, name, verify, message)
+        assert key in message and rules[name] in message, (rank, name, verify, message)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
