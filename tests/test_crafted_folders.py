@@ -93,6 +93,24 @@ def test_every_entry_point_refuses_a_crafted_folder(base, tmp_path, case):
         _names(str(e.value), FILES, key, case.rule)
 
 
+def test_a_follower_names_a_crafted_step_and_exports_the_run_s_others(base, tmp_path):
+    """`to-hf --follow` over a finished run whose step 1 is crafted: step 2 is exported, step 1
+    is named with its key and rule, nothing of it written, and the command fails."""
+    _, key = base
+    case = next(c for c in CASES if c.name == "huge")
+    run, _ = _copy(base, tmp_path, case)
+    cfg = CheckpointConfig(enable=True, interval=1)
+    with CheckpointManager(cfg, run, _model(), states={"train_state": Counter()}) as mgr:
+        mgr.save(2)  # a good step after the crafted one
+    out = tmp_path / "exports"
+    done = cli("to-hf", str(run / "checkpoint"), str(out), "--follow", "--flavor", "debugmodel",
+               "--poll", "0.2")  # fmt: skip
+    assert done.returncode == 2 and "could not export 1: step-1: " in done.stderr, done
+    _names(done.stderr, FILES, key, case.rule)
+    assert sorted(p.name for p in out.iterdir()) == ["step-2"]
+    assert "Traceback" not in done.stderr
+
+
 def test_a_two_rank_load_refuses_each_crafted_folder_on_every_rank(base, tmp_path):
     """Every case loaded by a 2-rank job (a reshard of the 1-rank checkpoint), with and without
     ``verify_on_load``: each rank refuses, naming the key and the rule, none loads and none

@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from dcpkit.console import summary
+from dcpkit.convert.adapters import ConversionError
 from dcpkit.convert.hf import ConversionResult, to_hf
+from dcpkit.errors import CorruptCheckpoint, describe_error
+from dcpkit.formats.dcp import NotACheckpoint
 from dcpkit.layout import TEMP_PREFIX, parse_step
 from dcpkit.readers import follow
 from dcpkit.storage import open_store
@@ -40,8 +43,10 @@ def to_hf_following(
     **to_hf_options: Any,
 ) -> dict[str, ConversionResult]:
     """Export every step of the run saving into ``run`` to ``out/step-N`` (``to_hf_options``:
-    those of ``to_hf``, applied to each), in order, until the run finishes. Returns the exports
-    made, by step name; ``on_result(name, result)`` is called after each."""
+        those of ``to_hf``, applied to each), in order, until the run finishes. Returns the exports
+        made, by step name; ``on_result(name, result)`` is called after each. A step that cannot be
+    exported (refused as corrupt, or no model to export) is said and passed over; once the run has
+    finished, ``CorruptCheckpoint`` names every such step."""
     outputs = open_store(out, storage_options)
     for name in outputs.incomplete_names():  # an export a killed follower left half-written
         if not name.startswith(TEMP_PREFIX):  # only what an export writes before it renames
@@ -50,6 +55,7 @@ def to_hf_following(
         outputs.remove(name)
     exported = [s for s in map(parse_step, outputs.list_names()) if s is not None]
     done: dict[str, ConversionResult] = {}
+    failed: dict[str, str] = {}  # a step whose folder cannot be exported, and why
     steps = follow(run, storage_options, purpose="to-hf --follow", poll_s=poll_s, wait_s=wait_s)
     for held in steps:
         step = parse_step(held.name)
@@ -68,11 +74,22 @@ def to_hf_following(
         options = dict(to_hf_options)
         if options.get("tokenizer") is None:  # the run's own, as a Trainer's checkpoint has it
             options["tokenizer"] = run_tokenizer(held.store.root)
-        result = to_hf(
-            held.location, outputs.location(held.name), storage_options=storage_options, **options
-        )
+        try:
+            result = to_hf(
+                held.location, outputs.location(held.name), storage_options=storage_options,
+                **options,
+            )  # fmt: skip
+        except (CorruptCheckpoint, ConversionError, NotACheckpoint) as e:  # the step's own fault
+            failed[held.name] = describe_error(e)
+            summary(logger, f"to-hf: could not export {held.name}: {failed[held.name]}")
+            continue  # the run's later steps are exported all the same
         result.notes += held.notes
         done[held.name] = result
         if on_result is not None:
             on_result(held.name, result)
+    if failed:
+        raise CorruptCheckpoint(
+            f"to-hf --follow exported {len(done)} step(s) and could not export "
+            f"{len(failed)}: " + "; ".join(f"{name}: {why}" for name, why in failed.items())
+        )
     return done
