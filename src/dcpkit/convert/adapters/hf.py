@@ -133,7 +133,11 @@ class HFNamesAdapter(ModelAdapter):
         pairs, dropped = [], []
         for key in shapes:
             if key == "lm_head.weight" and args.tie_word_embeddings:
-                dropped.append((key, "tied to model.embed_tokens.weight (HF omits it)"))
+                same = [k for k in shapes if k != key and shapes[k] == shapes[key]]
+                tied = next(
+                    (k for k in same if "embed" in k or ".wte." in k), "the input embedding"
+                )
+                dropped.append((key, f"tied to {tied} (HF omits it)"))
             else:
                 pairs.append((key, key, None))
         return KeyPlan(pairs, dropped)
