@@ -128,9 +128,12 @@ def test_accelerate_resumes_exactly_in_every_epoch(tmp_path):
     (step 16, step 14 published) and run to the end: every
     later loss on both ranks is the uninterrupted run's, bit for bit; so are a per-rank state
     (``per_rank_states=``) and an object given to ``register_for_checkpointing``. Accelerate's
-    dataloader sets its sampler's epoch from its own count of epochs, which dcpkit keeps."""
+    dataloader sets its sampler's epoch from its own count of epochs, which dcpkit keeps. The
+    uninterrupted run is the same loop's without dcpkit, bit for bit."""
     full = _epochs_run(tmp_path / "full")
     assert sorted({s for _, s in full}) == list(range(1, 23))
+    # checkpointing changes nothing: the same loop without dcpkit, bit for bit
+    assert _epochs_run(tmp_path / "plain", env={"PLAIN": "1"}) == full
     folder = tmp_path / "stopped"
     seen = _epochs_run(folder, "6")
     for stop in ("10", "12"):

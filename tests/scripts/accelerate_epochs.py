@@ -5,10 +5,12 @@ differs by process and an object given to ``register_for_checkpointing``.
 
 6 batches per process per epoch, 2 micro-batches per optimizer step, 22 micro-batches in all
 (into a 4th epoch), a save every 2 (each optimizer step). Resumes from FOLDER's latest step.
+PLAIN=1 runs the same loop without dcpkit (no saves, no resume).
 Prints, on every process, ``rank R step N loss X mine M shared S epoch E`` after each
 micro-batch.
 """
 
+import os
 import sys
 
 import torch
@@ -51,11 +53,32 @@ mine = Counter(1000 * (rank + 1))  # differs by process
 shared = Counter(0)
 accelerator.register_for_checkpointing(shared)
 
+
+class Plain:
+    """The same loop without dcpkit (PLAIN=1): what its uninterrupted run must equal."""
+
+    def __enter__(self) -> "Plain":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def load_state(self) -> int:
+        return 0
+
+    def maybe_wait_for_staging(self) -> None:
+        pass
+
+    def save_state(self, step: int, last_step: bool = False) -> None:
+        pass
+
+
 config = CheckpointConfig(enable=True, interval=2, keep_latest_k=0, async_mode="async")
-with AcceleratorCheckpoint(
+checkpointing = Plain() if os.environ.get("PLAIN") else AcceleratorCheckpoint(
     accelerator, folder, model, optimizer, scheduler, data, config=config,
     per_rank_states={"mine": mine},
-) as ckpt:  # fmt: skip
+)  # fmt: skip
+with checkpointing as ckpt:
     step = ckpt.load_state() or 0
     epoch = data.iteration
     while step < 22 and step < stop_after:

@@ -24,8 +24,6 @@ from torch.utils.data import RandomSampler
 from dcpkit.config import CheckpointConfig
 from dcpkit.engine.manager import CheckpointManager
 
-_LOADER_SEED = 0x5EED
-
 
 class _AcceleratorStep:
     """The accelerator's step counter (gradient accumulation), as ``save_state`` keeps it."""
@@ -54,17 +52,17 @@ class _DataloaderState:
     ``save_state`` keeps in ``sampler.bin``, a pickle).
 
     Every new iterator of a ``DataLoader`` draws a seed (its workers') from the loader's
-    ``generator``, or from torch's global RNG when it has none. A resumed run creates one
-    iterator more than an uninterrupted run does (mid-epoch, at the resume), so with the global
-    RNG every later random draw (dropout) would differ from the uninterrupted run's. A loader
-    without a generator of its own is given one here, seeded alike on every process, and its
-    state is kept with the position."""
+    ``generator``, or from torch's global RNG when it has none. A run resumed in the middle of
+    an epoch creates one iterator more than an uninterrupted run does (at the resume): its draw
+    would move the global RNG, restored as saved, and every later random draw (dropout) would
+    differ from the uninterrupted run's. The resumed run's first iterator is made with the
+    global RNG left as restored, and then draws what the uninterrupted run drew at that point:
+    nothing mid-epoch, one seed at an epoch's end (its next epoch's iterator). A loader with a
+    generator of its own has its state kept."""
 
     def __init__(self, dataloader: Any) -> None:
         self.dataloader = dataloader
         self.loader = getattr(dataloader, "base_dataloader", dataloader)
-        if getattr(self.loader, "generator", None) is None and hasattr(self.loader, "generator"):
-            self.loader.generator = torch.Generator().manual_seed(_LOADER_SEED)
         sampler = dataloader.get_sampler() if hasattr(dataloader, "get_sampler") else None
         self.sampler = sampler if hasattr(sampler, "initial_seed") else None
         if not hasattr(self.loader, "state_dict"):  # Accelerate's adapter has one regardless
@@ -86,6 +84,7 @@ class _DataloaderState:
         state: dict[str, Any] = {"loader": self.dataloader.state_dict()}
         if isinstance(getattr(self.dataloader, "iteration", None), int):
             state["iteration"] = int(self.dataloader.iteration) + self._epoch_ended()
+        state["mid_epoch"] = self._in_loop() and not self._epoch_ended()
         generator = getattr(self.loader, "generator", None)
         if generator is not None:
             state["generator"] = generator.get_state()
@@ -94,15 +93,36 @@ class _DataloaderState:
             state["sampler_seed"] = int(self.sampler.initial_seed)
         return state
 
+    def _first_iterator_draws(self, draws: int) -> None:
+        """The next iterator of the loader (the resumed run's first) draws ``draws`` seeds from
+        the global RNG, as restored, whatever its making takes: 0 in the middle of an epoch
+        (the uninterrupted run made that epoch's iterator before the save), 1 at an epoch's end
+        (the uninterrupted run's next epoch starts with one). Made from a finished epoch's
+        state, the loader makes two iterators; the global RNG must see one."""
+        loader = self.loader
+        made = type(loader).__iter__.__get__(loader)
+
+        def first() -> Any:
+            loader.__dict__.pop("__iter__", None)  # later epochs: the loader's own, drawing
+            with torch.random.fork_rng(devices=[]):
+                iterator = made()
+            for _ in range(draws):  # what a DataLoader iterator draws for its workers' seed
+                torch.empty((), dtype=torch.int64).random_()
+            return iterator
+
+        loader.__iter__ = first  # called as ``base_dataloader.__iter__()`` by Accelerate
+
     def _epoch_ended(self) -> bool:
         """The epoch's last batch is out (its loader exhausted, which Accelerate's look-ahead
         knows) while the loop over it has not ended: Accelerate counts the epoch only when the
         loop ends, which a run resumed from here never reaches (its loader starts the next
         epoch), so the count is saved as the loop's end leaves it."""
-        loader = self.dataloader
-        gradient = getattr(loader, "gradient_state", None)
-        active = getattr(gradient, "active_dataloader", None) is loader
-        return bool(getattr(loader, "end_of_dataloader", False)) and active
+        return bool(getattr(self.dataloader, "end_of_dataloader", False)) and self._in_loop()
+
+    def _in_loop(self) -> bool:
+        """A loop over the dataloader is running (Accelerate's gradient state says which)."""
+        gradient = getattr(self.dataloader, "gradient_state", None)
+        return getattr(gradient, "active_dataloader", None) is self.dataloader
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataloader.load_state_dict(state["loader"])
@@ -112,8 +132,13 @@ class _DataloaderState:
             # second epoch resumes in the order of its first.
             self.dataloader.iteration = int(state["iteration"])
         generator = getattr(self.loader, "generator", None)
+        if generator is None and "generator" in state and "mid_epoch" not in state:
+            # saved by a release that gave every loader a generator: resumed as it was saved
+            generator = self.loader.generator = torch.Generator()
         if generator is not None and "generator" in state:
             generator.set_state(state["generator"])
+        elif generator is None and "mid_epoch" in state:
+            self._first_iterator_draws(0 if state["mid_epoch"] else 1)
         if self.sampler is not None:
             if "sampler_epoch" not in state:
                 raise ValueError(
