@@ -50,20 +50,26 @@ def is_dist() -> bool:
     return False
 
 
-@atexit.register
-def _let_collective_threads_finish() -> None:
-    """At exit, give gloo's worker threads the GIL for a moment.
+def settle() -> None:
+    """Give gloo's worker threads the GIL for a moment, after a group's last collective.
 
     A gloo worker thread releases a finished collective's tensors after the caller has been
-    told it is done, and releasing a tensor Python also refers to takes the GIL. A process
-    that exits within a few milliseconds of its last collective (``all_gather_object``, or the
-    one a DCP save or load ends with) can reach interpreter finalization first: the worker
-    thread, asking for the GIL then, is ended mid-C++ and the process aborts with "terminate
-    called without an active exception" (SIGABRT) after all its work is done. The process
-    group outlives ``destroy_process_group`` when modules refer to it (FSDP's do), so its
-    threads are still there. Sleeping here, before finalization begins, lets them finish."""
+    told it is done, and releasing a tensor Python also refers to takes the GIL. Two ends of a
+    program then go wrong, rarely. A process that exits within a few milliseconds of its last
+    collective (``all_gather_object``, or the one a DCP save or load ends with) can reach
+    interpreter finalization first: the worker thread, asking for the GIL then, is ended
+    mid-C++ and the process aborts with "terminate called without an active exception"
+    (SIGABRT) after all its work is done. And the group outlives ``destroy_process_group``
+    while modules refer to it (a DDP model's reducer, FSDP's meshes): when the last of them is
+    freed, the group's destructor joins its threads while holding the GIL, and a thread still
+    waiting for the GIL deadlocks the process. Sleeping here lets them finish first. Called at
+    exit, and before ``destroy_process_group`` by dcpkit's trainer; a script that destroys
+    its group while its model lives calls it the same way."""
     if _group_seen:
         time.sleep(0.05)
+
+
+atexit.register(settle)
 
 
 def rank() -> int:

@@ -55,6 +55,7 @@ def main() -> None:
         sys.stdout.write(outcome + "\n")
         sys.stdout.flush()
         dist.barrier()  # both ranks reach it: neither waits in the load for the other
+        dist.settle()  # models still refer to the group (dcpkit.dist.settle)
         torch_dist.destroy_process_group()
         return
     CheckpointManager(config, ".", model()).save(1, force=True)
@@ -81,6 +82,7 @@ def main() -> None:
     sys.stdout.write(outcome + "\n")
     sys.stdout.flush()
     dist.barrier()
+    dist.settle()  # models still refer to the group (dcpkit.dist.settle)
     torch_dist.destroy_process_group()
 
 

@@ -79,6 +79,7 @@ def main() -> None:
     torch_dist.barrier()
     mgr.close()
     torch_dist.barrier()
+    dist.settle()  # models still refer to the group (dcpkit.dist.settle)
     torch_dist.destroy_process_group()
 
 

@@ -61,6 +61,7 @@ def main() -> None:
             print("POSITIONS " + json.dumps(positions), flush=True)
     mgr.close()
     torch_dist.barrier()  # no rank leaves while another is still in the group
+    dist.settle()  # models still refer to the group (dcpkit.dist.settle)
     torch_dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # skip interpreter finalization, where gloo's threads can abort

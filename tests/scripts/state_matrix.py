@@ -129,6 +129,7 @@ def main() -> None:
         else:
             print(f"MATRIX OK {len(matrix(0))} values, {' '.join(modes)}", flush=True)
     torch_dist.barrier()  # no rank leaves while another is still in the group
+    dist.settle()  # models still refer to the group (dcpkit.dist.settle)
     torch_dist.destroy_process_group()
     if problems:
         sys.exit(1)

@@ -69,4 +69,5 @@ def report(result) -> None:
     if dist.rank() == 0:
         print("RESULT " + json.dumps(everything), flush=True)
     torch_dist.barrier()
+    dist.settle()  # the caller's model still refers to the group (see dcpkit.dist.settle)
     torch_dist.destroy_process_group()

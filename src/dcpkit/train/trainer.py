@@ -395,5 +395,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if torch_dist.is_initialized():
         torch_dist.barrier()
+        dist.settle()  # the model, which refers to the group, is freed after it is destroyed
         torch_dist.destroy_process_group()
     return EXIT_PREEMPTED if getattr(trainer, "preempted", False) else 0
