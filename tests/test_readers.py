@@ -104,9 +104,10 @@ with dcpkit.reading(sys.argv[1], step="latest", purpose="an evaluation") as held
 
 def test_a_killed_readers_step_is_listed_as_kept_and_pruned_once_its_hold_expired(tmp_path):
     """A reader SIGKILLed at the run's last save never lets go: its step outlives retention
-    (keep_latest_k 2 leaves 3 steps). `list` names it "kept past retention" with its reader, and
-    deletes nothing, however often it runs; `prune` leaves it while the hold lives; once the
-    hold has expired (4 s here), `list` says so and `prune` deletes it and the dead hold: 2."""
+    (keep_latest_k 2 leaves 3 steps). `list` names it "kept past retention" with its reader and
+    deletes nothing, run 100 times beside the run's last saves; `prune` leaves it while the
+    hold lives; once the hold has expired (4 s here), `list` says so and `prune` deletes it and
+    the dead hold: 2 steps left."""
     folder = tmp_path / "checkpoint"
     store = open_store(folder)
     env = torchrun_env({"DCPKIT_HOLD_EXPIRY_S": "4"})
@@ -120,7 +121,7 @@ def test_a_killed_readers_step_is_listed_as_kept_and_pruned_once_its_hold_expire
             assert reader.stdout.readline().split() == ["held", "step-2"]
             for step in (3, 4):  # the run's last saves, `list` beside them again and again
                 mgr.save(step)
-                for _ in range(10):  # (retention runs in the background meanwhile)
+                for _ in range(50):  # (retention runs in the background meanwhile)
                     listing = cli("list", str(folder))
                     assert listing.returncode == 0, listing.stderr
             mgr.wait()
