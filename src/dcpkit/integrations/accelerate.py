@@ -57,12 +57,16 @@ class _DataloaderState:
     would move the global RNG, restored as saved, and every later random draw (dropout) would
     differ from the uninterrupted run's. The resumed run's first iterator is made with the
     global RNG left as restored, and then draws what the uninterrupted run drew at that point:
-    nothing mid-epoch, one seed at an epoch's end (its next epoch's iterator). A loader with a
-    generator of its own has its state kept."""
+    nothing mid-epoch, one seed at an epoch's end (its next epoch's iterator). That takes
+    Accelerate's wrapper, which makes its loader's iterators by calling ``__iter__``; a loader
+    given unwrapped, iterated by Python itself, is given a generator of its own instead (seeded
+    alike on every process). A loader's own generator has its state kept."""
 
     def __init__(self, dataloader: Any) -> None:
         self.dataloader = dataloader
         self.loader = getattr(dataloader, "base_dataloader", dataloader)
+        if self.loader is dataloader and getattr(dataloader, "generator", 0) is None:
+            dataloader.generator = torch.Generator().manual_seed(0x5EED)
         sampler = dataloader.get_sampler() if hasattr(dataloader, "get_sampler") else None
         self.sampler = sampler if hasattr(sampler, "initial_seed") else None
         if not hasattr(self.loader, "state_dict"):  # Accelerate's adapter has one regardless
