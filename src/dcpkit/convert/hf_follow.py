@@ -43,8 +43,8 @@ def to_hf_following(
     **to_hf_options: Any,
 ) -> dict[str, ConversionResult]:
     """Export every step of the run saving into ``run`` to ``out/step-N`` (``to_hf_options``:
-        those of ``to_hf``, applied to each), in order, until the run finishes. Returns the exports
-        made, by step name; ``on_result(name, result)`` is called after each. A step that cannot be
+    those of ``to_hf``, applied to each), in order, until the run finishes. Returns the exports
+    made, by step name; ``on_result(name, result)`` is called after each. A step that cannot be
     exported (refused as corrupt, or no model to export) is said and passed over; once the run has
     finished, ``CorruptCheckpoint`` names every such step."""
     outputs = open_store(out, storage_options)

@@ -64,7 +64,8 @@ class StepGone(Exception):
     """The step is no longer published (retention deleted it, or is deleting it)."""
 
 
-def _alive(record: dict[str, Any], now: float) -> bool:
+def alive(record: dict[str, Any], now: float) -> bool:
+    """Whether the hold ``record`` is live at ``now`` (its heartbeat fresh)."""
     return fresh(record.get("heartbeat"), record.get("expires_s"), now)
 
 
@@ -76,7 +77,7 @@ def live_holds(store: Any) -> list[dict[str, Any]]:
     for name in store.list_names(HOLDS):
         if name.startswith(HOLD_PREFIX) and name.endswith(".json"):
             record = read_record(store, f"{HOLDS}/{name}")
-            if record is not None and _alive(record, now):
+            if record is not None and alive(record, now):
                 holds.append(record)
     return holds
 

@@ -27,12 +27,13 @@ from dcpkit.storage.holds import (
     HOLDS,
     KEPT,
     STALE_DELETING_S,
+    alive,
     covers,
     delete_unless_held,
     describe,
     not_a_decision,
 )
-from dcpkit.storage.markers import fresh, read_record
+from dcpkit.storage.markers import read_record
 
 
 @dataclass
@@ -80,9 +81,9 @@ def kept_steps(store: Any) -> dict[int, Kept]:
         decision = read_record(store, f"{HOLDS}/{name}") or {}
         ids = decision.get("held_by") if isinstance(decision.get("held_by"), list) else []
         mine = [h for h in holds if covers(h, step)]
-        alive = [h for h in mine if _alive(h, now)]
-        gone = [h for h in holds if h.get("id") in ids and not _alive(h, now)]
-        found[step] = Kept(step, decision, alive, gone)
+        live = [h for h in mine if alive(h, now)]
+        gone = [h for h in holds if h.get("id") in ids and not alive(h, now)]
+        found[step] = Kept(step, decision, live, gone)
     return found
 
 
@@ -94,10 +95,6 @@ def _holds(store: Any, names: list[str]) -> list[dict[str, Any]]:
             if record is not None:
                 found.append({**record, "_file": name})
     return found
-
-
-def _alive(record: dict[str, Any], now: float) -> bool:
-    return fresh(record.get("heartbeat"), record.get("expires_s"), now)
 
 
 @dataclass
@@ -134,7 +131,7 @@ def prune(folder: str | Path, storage_options: dict[str, Any] | None = None) -> 
     now = time.time()
     names = store.list_names(HOLDS)
     for record in _holds(store, names):
-        if not _alive(record, now):
+        if not alive(record, now):
             store.remove(f"{HOLDS}/{record['_file']}")
             pruned.removed.append(record["_file"])
     for name in names:
