@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import fcntl
+import hashlib
 import io
 import json
 import os
@@ -12,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -28,7 +30,29 @@ from ranks import exit_status
 pytest_plugins = ["profiling", "turns"]
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "llama3_debugmodel.toml"
+SHIPPED_CONFIG = ROOT / "configs" / "llama3_debugmodel.toml"
+TEST_SEQ_LEN = 32
+
+
+def _reference_config() -> Path:
+    """The shipped debugmodel config (the demo's) with sequences of 32 tokens instead of 128:
+    the same model, optimizer, schedule, layouts and checkpoints, a quarter of the tokens per
+    step. Every run of the reference trainer in the tests (and the reference runs they compare
+    with) uses it; the demo and the docs' pages keep the shipped one."""
+    text = SHIPPED_CONFIG.read_text()
+    line = "seq_len = 128\n"
+    assert text.count(line) == 1, f"{SHIPPED_CONFIG} no longer sets {line!r}"
+    text = text.replace(line, f"seq_len = {TEST_SEQ_LEN}  # the tests' (tests/conftest.py)\n")
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"dcpkit-tests-llama3_debugmodel-{digest}.toml"
+    if not path.is_file():  # each test process writes the same bytes; a rename publishes them
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(text)
+        partial.replace(path)
+    return path
+
+
+CONFIG = _reference_config()
 
 
 def torchrun_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 from pathlib import Path
@@ -43,9 +44,25 @@ def steps(tmp_path_factory) -> Path:
 
 
 def _copy(steps: Path, tmp_path: Path) -> tuple[Path, Path]:
-    run = tmp_path / "run"
-    shutil.copytree(steps, run, symlinks=True)
+    run = copy_run(steps, tmp_path / "run")
     return run, run / "checkpoint"
+
+
+def copy_run(run: Path, to: Path) -> Path:
+    """A copy of a run, links as links and FIFOs as FIFOs (never opened)."""
+    shutil.copytree(run, to, symlinks=True, copy_function=_copy_entry)
+    return to
+
+
+def _copy_entry(src: str, dst: str) -> None:
+    info = os.lstat(src)
+    if stat.S_ISFIFO(info.st_mode):
+        os.mkfifo(dst)
+    elif info.st_blocks * 512 < info.st_size:  # sparse: as sparse, not a GiB of zeros
+        with open(dst, "wb") as f:
+            f.truncate(info.st_size)
+    else:
+        shutil.copy2(src, dst)
 
 
 def _refused_everywhere(run: Path, folder: Path, name: str, recorded: int, named: int) -> None:
@@ -235,14 +252,24 @@ def test_fifos_devices_and_huge_markers_neither_hang_nor_exhaust(steps, tmp_path
         ["list", str(folder)],
         ["verify", str(folder), "--step", "latest"],
         ["inspect", str(folder / "step-20")],
+        ["diff", str(folder / "step-10"), str(folder / "step-20")],
+        ["to-torch", str(folder / "step-20"), str(tmp_path / "out.pth")],
     ):
         done = _bounded(lambda args=args: cli(*args))
         assert done.returncode == 0 and "Traceback" not in done.stderr, (args, done)
+    assert (tmp_path / "out.pth").is_file()
     counter = Counter()
     with _manager(run, counter) as mgr:
         assert _bounded(mgr.load) == 20  # the FIFO deleting-step-20.json is no deletion
     assert counter.step == 20
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-10", "step-20"]
+    retained = copy_run(run, tmp_path / "retained")  # retention at the next saves: its own rule
+    with _manager(retained, keep_latest_k=2) as mgr:
+        _bounded(lambda: (mgr.load(), mgr.save(30), mgr.save(40), mgr.wait()))
+        assert mgr.published_steps() == [30, 40]
+    left = {p.name for p in (retained / "checkpoint" / ".dcpkit-holds").iterdir()}
+    gone = {"deleting-step-20.json", "kept-step-10.json"}  # named steps retention deleted
+    assert left == {p.name for p in holds.iterdir()} - gone  # unlinked, never opened
     manifest = folder / "step-20" / "dcpkit.json"
     manifest.unlink()
     os.symlink("/dev/zero", manifest)

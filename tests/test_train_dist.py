@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from conftest import (
     CONFIG,
     ROOT,
+    TEST_SEQ_LEN,
     copy_checkpoint,
     read_manifest,
     read_metrics,
@@ -36,7 +37,7 @@ def test_reference_run_writes_metrics_checkpoints_and_tokenizer(reference_run):
         for key in ("step", "loss", "lr", "tokens_seen", "world_size", "checkpoint_stall_s"):
             assert key in rec
         assert rec["world_size"] == 2
-        assert rec["tokens_seen"] == step * 8 * 128
+        assert rec["tokens_seen"] == step * 8 * TEST_SEQ_LEN
         assert rec["checkpoint_stall_s"] >= 0
         assert rec["checkpoint_saved"] == (step % 5 == 0)
     # keep_latest_k = 3 in the config: the oldest (step 5) is gone.
@@ -124,7 +125,7 @@ def test_resume_at_other_world_size(reference_run, stopped_run, tmp_path, nproc)
             assert torch.equal(value, saved["optimizer"][key]), key
         else:
             assert value == saved["optimizer"][key], key
-    assert loaded["train_state"] == {"step": 10, "ntokens_seen": 10 * 8 * 128}
+    assert loaded["train_state"] == {"step": 10, "ntokens_seen": 10 * 8 * TEST_SEQ_LEN}
     assert loaded["dataloader"]["samples_consumed"] == 10 * 8
     assert loaded["lr_scheduler"]["last_epoch"] == 10
 
