@@ -58,7 +58,9 @@ L.seed_everything(0)
 tokens = torch.randint(0, config.vocab_size, (64, 16), generator=torch.Generator().manual_seed(1))
 data = torch.utils.data.DataLoader(tokens, batch_size=4, shuffle=True)
 folder = Path("outputs/lightning/checkpoints")
-checkpoints = ModelCheckpoint(dirpath=folder, monitor="train_loss", save_top_k=2, save_last=True)
+every = int(os.environ.get("SAVE_EVERY_N_STEPS", "0"))  # 8: each epoch's last batch, kept
+kept = {"every_n_train_steps": every, "save_top_k": -1} if every else {"monitor": "train_loss"}
+checkpoints = ModelCheckpoint(dirpath=folder, **{"save_top_k": 2, "save_last": True, **kept})
 fsdp = os.environ.get("STRATEGY") == "fsdp"
 strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if fsdp else "ddp"
 trainer = L.Trainer(

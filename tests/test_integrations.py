@@ -204,6 +204,23 @@ def test_lightning_killed_mid_save_resumes_from_the_last_published_checkpoint(
     assert_resumed(full, run_example(tmp_path, "lightning_loop.py", env=env), 9)
 
 
+def test_lightning_resumes_bitwise_from_a_save_at_an_epoch_s_last_batch(lightning_full, tmp_path):
+    """``ModelCheckpoint(every_n_train_steps=8)`` saves at each epoch's last batch (8 batches
+    an epoch), from ``on_train_batch_end``, before the epoch ends; a run killed in the save of
+    step 16 resumes from step 8 with epoch 2's data order and dropout as the uninterrupted
+    run's. (DDP; FSDP2's epoch-end resume is the test above.)"""
+    env, full, _ = lightning_full
+    if env["STRATEGY"] != "ddp":
+        pytest.skip("one strategy is enough for Lightning's loop; FSDP2 resumes in the test above")
+    env = {**env, "SAVE_EVERY_N_STEPS": "8"}
+    run_example(tmp_path, "lightning_loop.py", env={**env, "DCPKIT_FAILPOINT": "mid_write:16"},
+                ok=False)  # fmt: skip
+    folder = tmp_path / "outputs" / "lightning" / "checkpoints"
+    published = sorted(p.name for p in folder.glob("[!.]*.ckpt"))
+    assert published == ["epoch=0-step=8.ckpt", "last.ckpt"]
+    assert_resumed(full, run_example(tmp_path, "lightning_loop.py", env=env), 9)
+
+
 def test_lightning_checkpoint_verifies_and_exports_the_trained_model(lightning_full, tmp_path):
     _, _, out = lightning_full
     last = out / "checkpoints" / "last.ckpt"

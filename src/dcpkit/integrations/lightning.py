@@ -23,8 +23,9 @@ Lightning saves a replicated strategy's checkpoint (DDP, single device) from glo
 only, the other processes not taking part: the checkpoint is written by that process alone
 and loads at any world size. Lightning itself does not checkpoint the RNG states; ``RNGState``
 keeps every process's (Python, NumPy, torch), so that dropout after a resume draws what it
-would have drawn. Lightning restores a checkpoint written at the end of an epoch exactly;
-one written mid-epoch restarts the epoch's data (Lightning's own behaviour, which it warns of).
+would have drawn. Lightning restores a checkpoint written at the end of an epoch, or at its last
+batch (``every_n_train_steps``), exactly; one written mid-epoch restarts the epoch's data
+(Lightning's own behaviour, which it warns of).
 """
 
 from __future__ import annotations
