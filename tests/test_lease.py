@@ -97,17 +97,16 @@ def test_two_runs_started_together_on_a_slow_store_exactly_one_takes_the_lease(
     assert not any("cannot create a file only if it is absent" in e for e in errors), errors
 
 
-def _second_run_is_refused(
-    folder: str, tmp_path, reference_run, lease_exists, last: int = 20
-) -> None:
-    """A runs alone (the reference schedule of 20 steps, stopped after ``last``); B starts on A's
+def _second_run_is_refused(folder: str, tmp_path, reference_run, lease_exists) -> None:
+    """A runs alone (the reference schedule of 20 steps, stopped after step 10); B starts on A's
     folder while A runs, and must stop; A is unharmed. A is
     paused (SIGSTOP to its launcher and ranks) from the moment its lease exists until B has
     ended, so B meets A running whatever the machine's speed: a paused process is alive, as a
     slow one is, and its lease on this host is judged by its pid."""
     dump_a, dump_b = tmp_path / "a", tmp_path / "b"
+    last = 10
     args = ["--job.config_file", str(CONFIG), "--checkpoint.folder", folder]
-    args += ["--training.stop_at_step", str(last)] if last < 20 else []
+    args += ["--training.stop_at_step", str(last)]
     first = subprocess.Popen(
         torchrun_command(2, [*args, "--job.dump_folder", str(dump_a)]),
         env=torchrun_env(),
@@ -153,7 +152,7 @@ def test_one_writer_per_local_folder(reference_run, tmp_path):
     folder = str(tmp_path / "shared" / "checkpoint")
     lease = tmp_path / "shared" / "checkpoint" / LEASE
     _second_run_is_refused(folder, tmp_path, reference_run, lease.exists)
-    assert open_store(folder).published_steps() == [10, 15, 20]
+    assert open_store(folder).published_steps() == [5, 10]
     assert not lease.exists()  # released at the end of the run
     _stale_lease_is_taken_over(str(tmp_path / "again" / "checkpoint"), tmp_path, reference_run)
 
@@ -166,6 +165,6 @@ def test_one_writer_per_s3_folder(s3, reference_run, tmp_path):
         s3.invalidate_cache()
         return s3.exists(f"{BUCKET}/lease/checkpoint/{LEASE}")
 
-    _second_run_is_refused(folder, tmp_path, reference_run, lease_exists, last=10)
+    _second_run_is_refused(folder, tmp_path, reference_run, lease_exists)
     assert open_store(folder).published_steps() == [5, 10]
     _stale_lease_is_taken_over(f"s3://{BUCKET}/lease-again/checkpoint", tmp_path, reference_run)
