@@ -7,6 +7,7 @@ print OK for one. With and without the index of ``.metadata`` (DCP and TorchTita
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -114,14 +115,28 @@ def test_a_follower_names_a_crafted_step_and_exports_the_run_s_others(base, tmp_
 def test_a_two_rank_load_refuses_each_crafted_folder_on_every_rank(base, tmp_path):
     """Every case loaded by a 2-rank job (a reshard of the 1-rank checkpoint), with and without
     ``verify_on_load``: each rank refuses, naming the key and the rule, none loads and none
-    waits for the other."""
+    waits for the other. Beside them, the good checkpoint under hostile markers (every marker
+    kind as a FIFO, a link to /dev/zero and a 1 GiB sparse file, one FIFO claiming step 1 is
+    being deleted): both ranks load it, within the job's bound, and step 1 stays."""
     _, key = base
     runs = [_copy(base, tmp_path, case)[0] for case in CASES]
-    proc = run_script(2, "crafted_load.py", *map(str, runs))
+    marked = tmp_path / "markers"
+    shutil.copytree(base[0], marked)
+    holds = marked / "checkpoint" / ".dcpkit-holds"
+    holds.mkdir()
+    for kind in ("hold-{}.json", "deleting-step-1{}.json", "kept-step-1{}.json"):
+        os.mkfifo(holds / kind.format(""))
+        os.symlink("/dev/zero", holds / kind.format("-zero"))
+        with open(holds / kind.format("-sparse"), "wb") as f:
+            f.truncate(1 << 30)
+    proc = run_script(2, "crafted_load.py", *map(str, runs), str(marked), timeout=120)
     lines = [x.split(" ", 5) for x in proc.stdout.splitlines() if x.startswith("RANK ")]
-    assert len(lines) == 2 * 2 * len(CASES), proc.stdout[-3000:]
+    assert len(lines) == 2 * 2 * (len(CASES) + 1), proc.stdout[-3000:]
+    loaded = [line for line in lines if line[2] == "markers"]
+    assert [line[4] for line in loaded] == ["LOADED"] * 4, loaded
+    assert (marked / "checkpoint" / "step-1" / "dcpkit.json").is_file()
     rules = {case.name: case.rule for case in CASES}
-    for _, rank, name, verify, verdict, message in lines:
+    for _, rank, name, verify, verdict, message in (x for x in lines if x[2] != "markers"):
         assert verdict == "REFUSED", (rank, name, verify, message)
         assert key in message and rules[name] in message, (rank, name, verify, message)
 
