@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -214,6 +215,25 @@ def cli(*args: str) -> subprocess.CompletedProcess:
             traceback.print_exc()
             code = 1
     return subprocess.CompletedProcess(["dcpkit", *args], code, out.getvalue(), err.getvalue())
+
+
+def bounded(fn, seconds: float = 60):  # type: ignore[no-untyped-def]
+    """``fn()`` in a thread, failing the test if it has not returned within ``seconds``."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # the test looks at it
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn} still running after {seconds}s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 class Counter:

@@ -162,3 +162,18 @@ def craft(step: Path, case: Case, key: str, index: bool = True) -> None:
         }
     manifest.pop(SEAL, None)
     (step / "dcpkit.json").write_bytes(sealed_bytes(manifest))
+
+
+def hostile_markers(checkpoint: Path, step: int) -> None:
+    """Every marker kind in ``checkpoint/.dcpkit-holds`` as a FIFO (the step kinds naming
+    ``step``, the newest: a claim that it is being deleted, or kept past retention), a link to
+    /dev/zero and a 1 GiB sparse file: none may be opened, read whole or obeyed."""
+    import os
+
+    holds = checkpoint / ".dcpkit-holds"
+    holds.mkdir()
+    for kind in ("hold-{}.json", f"deleting-step-{step}{{}}.json", f"kept-step-{step}{{}}.json"):
+        os.mkfifo(holds / kind.format(""))
+        os.symlink("/dev/zero", holds / kind.format("-zero"))
+        with open(holds / kind.format("-sparse"), "wb") as f:
+            f.truncate(1 << 30)

@@ -7,7 +7,6 @@ print OK for one. With and without the index of ``.metadata`` (DCP and TorchTita
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -15,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import Counter, cli, run_script
-from crafted import CASES, craft
+from conftest import Counter, bounded, cli, run_script
+from crafted import CASES, craft, hostile_markers
 from dcpkit import CheckpointConfig, CheckpointManager, CorruptCheckpoint
 from dcpkit.models import build_model
 
@@ -122,13 +121,7 @@ def test_a_two_rank_load_refuses_each_crafted_folder_on_every_rank(base, tmp_pat
     runs = [_copy(base, tmp_path, case)[0] for case in CASES]
     marked = tmp_path / "markers"
     shutil.copytree(base[0], marked)
-    holds = marked / "checkpoint" / ".dcpkit-holds"
-    holds.mkdir()
-    for kind in ("hold-{}.json", "deleting-step-1{}.json", "kept-step-1{}.json"):
-        os.mkfifo(holds / kind.format(""))
-        os.symlink("/dev/zero", holds / kind.format("-zero"))
-        with open(holds / kind.format("-sparse"), "wb") as f:
-            f.truncate(1 << 30)
+    hostile_markers(marked / "checkpoint", 1)
     proc = run_script(2, "crafted_load.py", *map(str, runs), str(marked), timeout=120)
     lines = [x.split(" ", 5) for x in proc.stdout.splitlines() if x.startswith("RANK ")]
     assert len(lines) == 2 * 2 * (len(CASES) + 1), proc.stdout[-3000:]
@@ -139,6 +132,27 @@ def test_a_two_rank_load_refuses_each_crafted_folder_on_every_rank(base, tmp_pat
     for _, rank, name, verify, verdict, message in (x for x in lines if x[2] != "markers"):
         assert verdict == "REFUSED", (rank, name, verify, message)
         assert key in message and rules[name] in message, (rank, name, verify, message)
+
+
+def test_exports_and_a_follower_pass_over_hostile_markers(base, tmp_path):
+    """`to-hf`, `to-torch` and `to-hf --follow` of a finished run whose markers are FIFOs,
+    links to /dev/zero and 1 GiB sparse files: each ends (within a minute), exports step 1
+    and leaves it in place."""
+    run = tmp_path / "run"
+    shutil.copytree(base[0], run)
+    hostile_markers(run / "checkpoint", 1)
+    step = run / "checkpoint" / "step-1"
+    for args in (
+        ["to-hf", str(step), str(tmp_path / "hf"), "--flavor", "debugmodel"],
+        ["to-torch", str(step), str(tmp_path / "out.pth")],
+        ["to-hf", str(run / "checkpoint"), str(tmp_path / "followed"), "--follow",
+         "--flavor", "debugmodel", "--poll", "0.2"],
+    ):  # fmt: skip
+        done = bounded(lambda args=args: cli(*args))
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (args, done)
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "out.pth").is_file()
+    assert sorted(p.name for p in (tmp_path / "followed").iterdir()) == ["step-1"]
+    assert (step / "dcpkit.json").is_file()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -10,14 +10,13 @@ import logging
 import os
 import shutil
 import stat
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import Counter, cli
+from conftest import Counter, bounded, cli
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager, CorruptCheckpoint
 from dcpkit.layout import parse_step
 
@@ -217,25 +216,6 @@ def test_a_step_whose_manifest_was_removed_is_refused_in_a_run_that_writes_them(
     assert counter.step == 10
 
 
-def _bounded(fn, seconds: float = 60):  # type: ignore[no-untyped-def]
-    """``fn()`` in a thread, failing the test if it has not returned within ``seconds``."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # the test looks at it
-            box["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"{fn} still running after {seconds}s"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
 def test_fifos_devices_and_huge_markers_neither_hang_nor_exhaust(steps, tmp_path, caplog):
     """Every marker kind as a FIFO, a link to /dev/zero and a 1 GiB sparse file, a manifest
     linked to /dev/zero, a FIFO lease: list, verify, inspect and the load finish (each within
@@ -255,17 +235,17 @@ def test_fifos_devices_and_huge_markers_neither_hang_nor_exhaust(steps, tmp_path
         ["diff", str(folder / "step-10"), str(folder / "step-20")],
         ["to-torch", str(folder / "step-20"), str(tmp_path / "out.pth")],
     ):
-        done = _bounded(lambda args=args: cli(*args))
+        done = bounded(lambda args=args: cli(*args))
         assert done.returncode == 0 and "Traceback" not in done.stderr, (args, done)
     assert (tmp_path / "out.pth").is_file()
     counter = Counter()
     with _manager(run, counter) as mgr:
-        assert _bounded(mgr.load) == 20  # the FIFO deleting-step-20.json is no deletion
+        assert bounded(mgr.load) == 20  # the FIFO deleting-step-20.json is no deletion
     assert counter.step == 20
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-10", "step-20"]
     retained = copy_run(run, tmp_path / "retained")  # retention at the next saves: its own rule
     with _manager(retained, keep_latest_k=2) as mgr:
-        _bounded(lambda: (mgr.load(), mgr.save(30), mgr.save(40), mgr.wait()))
+        bounded(lambda: (mgr.load(), mgr.save(30), mgr.save(40), mgr.wait()))
         assert mgr.published_steps() == [30, 40]
     left = {p.name for p in (retained / "checkpoint" / ".dcpkit-holds").iterdir()}
     gone = {"deleting-step-20.json", "kept-step-10.json"}  # named steps retention deleted
@@ -273,16 +253,16 @@ def test_fifos_devices_and_huge_markers_neither_hang_nor_exhaust(steps, tmp_path
     manifest = folder / "step-20" / "dcpkit.json"
     manifest.unlink()
     os.symlink("/dev/zero", manifest)
-    verdict = _bounded(lambda: cli("verify", str(folder / "step-20")))
+    verdict = bounded(lambda: cli("verify", str(folder / "step-20")))
     assert verdict.returncode == 1 and "is a device, not a regular file" in verdict.stdout
     assert "dcpkit.json" in verdict.stdout, verdict.stdout
     mgr = _manager(run)
     with mgr, pytest.raises(CorruptCheckpoint, match="is a device, not a regular file"):
-        _bounded(mgr.load)
+        bounded(mgr.load)
     lease = folder / ".dcpkit-lease"
     os.mkfifo(lease)
     with pytest.raises(CheckpointError) as e:
-        _bounded(lambda: _manager(run, storage_retry_s=5).save(21))
+        bounded(lambda: _manager(run, storage_retry_s=5).save(21))
     assert "is a FIFO, not a regular file" in str(e.value) and ".dcpkit-lease" in str(e.value)
 
 
