@@ -438,8 +438,11 @@ def test_follow_exports_every_step_of_a_run_in_order_none_twice(tmp_path, caplog
     assert gap in caplog.text and gap in again.stdout, again.stdout  # a note of step-9's export
 
 
-def _scenario(dump: Path, folder: str, mode: str, reader: bool, steps: int) -> dict:
-    """The reference trainer on 2 ranks, ``steps`` steps, each saved, keep_latest_k 2; beside it
+def _scenario(
+    dump: Path, folder: str, mode: str, reader: bool, steps: int, stop: int | None = None
+) -> dict:
+    """The reference trainer on 2 ranks, ``steps`` steps (stopped after ``stop`` if given: the
+    schedule of ``steps``), each saved, keep_latest_k 2; beside it
     the evaluation example taking `latest` again and again (verify, to-hf, from_pretrained). The
     example starts first and the run once it says it waits: however slowly the example starts
     on a busy machine, it reads while the run saves, never only after it ended."""
@@ -463,6 +466,7 @@ def _scenario(dump: Path, folder: str, mode: str, reader: bool, steps: int) -> d
         2, dump, "--training.steps", str(steps), "--checkpoint.interval", "1",
         "--checkpoint.keep_latest_k", "2", "--checkpoint.folder", folder,
         "--checkpoint.async_mode", mode, "--checkpoint.last_save_model_only", "false",
+        *(["--training.stop_at_step", str(stop)] if stop else []),
     )  # fmt: skip
     log = done.stdout + done.stderr
     if reader:
@@ -473,7 +477,7 @@ def _scenario(dump: Path, folder: str, mode: str, reader: bool, steps: int) -> d
     saves = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
     stalls = [e["stall_s"] for e in saves if e.get("event") == "save"]
     took = time.perf_counter() - start
-    loss = [metrics[s]["loss"] for s in range(1, steps + 1)]
+    loss = [metrics[s]["loss"] for s in range(1, (stop or steps) + 1)]
     return {"loss": loss, "stall": stalls, "reads": lines, "seconds": took, "log": log}
 
 
@@ -519,17 +523,17 @@ def test_an_evaluation_job_beside_training_reads_every_step_it_takes(tmp_path):
 def test_an_evaluation_job_beside_training_on_s3_reads_every_step_it_takes(
     tmp_path, request, reference_run
 ):
-    """The same on SeaweedFS, 20 steps (each save uploads 73 MB on these 2 cores): the holds,
-    markers and reads on S3. The losses are the reference run's (the same 20 steps, saved
+    """The same on SeaweedFS, 12 steps (each save uploads 73 MB on these 2 cores): the holds,
+    markers and reads on S3. The losses are the reference run's (its first 12 steps, saved
     elsewhere and less often: saves change no loss); the stalls are the local test's to
     compare."""
     _on_seaweedfs(request)
-    folder, steps = f"s3://{BUCKET}/eval-{tmp_path.name}/checkpoint", 20
-    beside = _scenario(tmp_path / "beside", folder, "async", True, steps)
+    folder, stop = f"s3://{BUCKET}/eval-{tmp_path.name}/checkpoint", 12
+    beside = _scenario(tmp_path / "beside", folder, "async", True, 20, stop)
     print(beside["seconds"], beside["reads"])
     reference = read_metrics(reference_run)
-    loss = [reference[s]["loss"] for s in range(1, steps + 1)]
-    _evaluated_beside(beside, steps, loss, folder)
+    loss = [reference[s]["loss"] for s in range(1, stop + 1)]
+    _evaluated_beside(beside, stop, loss, folder)
 
 
 def test_a_follower_of_a_run_with_a_memory_tier_reads_durable_steps_and_says_so(tmp_path):
