@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import Counter, bounded, cli
+from crafted import hostile_markers
 from dcpkit import CheckpointConfig, CheckpointError, CheckpointManager, CorruptCheckpoint
 from dcpkit.layout import parse_step
 
@@ -222,12 +223,7 @@ def test_fifos_devices_and_huge_markers_neither_hang_nor_exhaust(steps, tmp_path
     a minute), read no marker as a record, and refuse the manifest naming it."""
     run, folder = _copy(steps, tmp_path)
     holds = folder / ".dcpkit-holds"
-    holds.mkdir()
-    for kind in ("hold-{}.json", "deleting-step-2{}.json", "kept-step-1{}.json"):
-        os.mkfifo(holds / kind.format(0))
-        os.symlink("/dev/zero", holds / kind.format("zero"))
-        with open(holds / kind.format("sparse"), "wb") as f:
-            f.truncate(1 << 30)
+    hostile_markers(folder, 20)
     for args in (
         ["list", str(folder)],
         ["verify", str(folder), "--step", "latest"],
@@ -248,7 +244,7 @@ def test_fifos_devices_and_huge_markers_neither_hang_nor_exhaust(steps, tmp_path
         bounded(lambda: (mgr.load(), mgr.save(30), mgr.save(40), mgr.wait()))
         assert mgr.published_steps() == [30, 40]
     left = {p.name for p in (retained / "checkpoint" / ".dcpkit-holds").iterdir()}
-    gone = {"deleting-step-20.json", "kept-step-10.json"}  # named steps retention deleted
+    gone = {"deleting-step-20.json", "kept-step-20.json"}  # named steps retention deleted
     assert left == {p.name for p in holds.iterdir()} - gone  # unlinked, never opened
     manifest = folder / "step-20" / "dcpkit.json"
     manifest.unlink()
