@@ -36,7 +36,9 @@ def _star(r: dict) -> str:
 
 
 def _growth(data: dict, key: str) -> str:
-    return " / ".join(f"{data['growth'][m][key]:.2f}" for m in _models(data))
+    """Each model's exponent; "-" for one measured at fewer than two sizes (nothing to fit)."""
+    fits = [data["growth"].get(m, {}).get(key) for m in _models(data)]
+    return " / ".join("-" if g is None else f"{g:.2f}" for g in fits)
 
 
 def _names(data: dict) -> str:

@@ -913,6 +913,8 @@ def main() -> int:
         f"{'restart coord s':>15}"
     )
     for r in rows:
+        if "global_plan_s" not in r:
+            continue  # planned from the layout only: too few measured cells of it to fit
         tag = "" if r["measured"] else "  (extrapolated)"
         cached = f"{r['cached_global_plan_s']:>9.4f}" if r["measured"] else "        -"
         plans = f"{r['global_plans']:>9d}" if r["measured"] else "        -"

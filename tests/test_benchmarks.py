@@ -21,7 +21,7 @@ def test_convert_benchmark_small(tmp_path):
             sys.executable,
             str(ROOT / "benchmarks" / "convert.py"),
             "--gb",
-            "0.6",  # one size: the RSS rule holds at each (the size sweep is the benchmark's)
+            "0.3",  # one size: the RSS rule holds at each (the size sweep is the benchmark's)
             "--json",
             str(out),
             "--workdir",
@@ -108,17 +108,17 @@ def test_model_io_benchmark_small(tmp_path):
 
 
 def test_io_speed_benchmark_small(tmp_path):
-    """The IO benchmark at two toy sizes: every operation and both floors measured at 1 and 2
-    ranks, beside their raw baselines; the throughput plot written next to the JSON, a panel
-    per world size."""
+    """The IO benchmark at a toy size: every operation and both floors measured at 1 and 2
+    ranks, beside their raw baselines, the state as large as asked; the throughput plot written
+    next to the JSON, a panel per world size (the size sweep is the benchmark's)."""
     out = tmp_path / "io_speed.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "io_speed.py"), "--gb", "0.1", "0.15"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "io_speed.py"), "--gb", "0.1"]
     cmd += ["--dim", "128", "--nproc", "1", "2", "--reps", "1", "--json", str(out)]
     cmd += ["--workdir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
-    assert sorted((r["gb"], r["nproc"]) for r in runs) == [(0.1, 1), (0.1, 2), (0.15, 1), (0.15, 2)]
+    assert sorted((r["gb"], r["nproc"]) for r in runs) == [(0.1, 1), (0.1, 2)]
     for run in runs:
         s, where = run["slowest"], (run["gb"], run["nproc"])
         for key in ("save_s", "raw_write_fsync_s", "load_warm_s", "load_verify_cold_s"):
@@ -133,12 +133,12 @@ def test_io_speed_benchmark_small(tmp_path):
         capacity = (os.cpu_count() or 1) * s["load_warm_s"]
         floor = max(0.0, cpu["xxh3_only_cpu"] - max(0.0, capacity - cpu["load_warm_cpu"]))
         assert run["verify_floor"] == pytest.approx(floor / capacity), where
-    sizes = {r["gb"]: r["checkpoint_bytes"] for r in runs if r["nproc"] == 1}
-    assert sizes[0.15] > 1.3 * sizes[0.1]
-    assert proc.stdout.count("DCP's own steps of a load") == 4
-    assert proc.stdout.count("hashing every byte as it lands") == 4
-    assert proc.stdout.count("CPU time, every thread of all ranks, warm: load ") == 4
-    assert proc.stdout.count("even with every idle cycle hashing") == 4
+    for run in runs:  # the size asked for, within a few percent
+        assert run["checkpoint_bytes"] == pytest.approx(0.1 * 2**30, rel=0.05), run["nproc"]
+    assert proc.stdout.count("DCP's own steps of a load") == 2
+    assert proc.stdout.count("hashing every byte as it lands") == 2
+    assert proc.stdout.count("CPU time, every thread of all ranks, warm: load ") == 2
+    assert proc.stdout.count("even with every idle cycle hashing") == 2
     png = out.with_suffix(".png")
     assert f"wrote {png}" in proc.stdout
     import matplotlib.image
@@ -146,7 +146,7 @@ def test_io_speed_benchmark_small(tmp_path):
     height, width = matplotlib.image.imread(png).shape[:2]
     assert width > 1.8 * height  # two panels side by side: 1 rank, 2 ranks
     table = _figures("_figures_io").io_speed(json.loads(out.read_text()))
-    assert table.splitlines()[0].count(" rank") == 4  # a column per run
+    assert table.splitlines()[0].count(" rank") == 2  # a column per run
     assert "Medians of 1, slowest rank." in table and "goal" not in table  # under 4 GiB
 
 

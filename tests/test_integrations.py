@@ -21,14 +21,14 @@ pytestmark = pytest.mark.dist
 
 def run_example(
     cwd: Path,
-    name: str,
+    name: str | Path,
     *args: str,
     env: dict[str, str] | None = None,
     ok: bool = True,
     logs: list[str] | None = None,
 ) -> dict[int, str]:
     """The example's printed losses by step (its `step N loss X` lines); ``logs`` gets its
-    output."""
+    output. ``name``: a script of examples/, or the path of one that runs it."""
     proc = run_ranks(2, ROOT / "examples" / name, *args, cwd=cwd, env=env)
     if ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -387,7 +387,8 @@ def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
 
 def run_titan(cwd: Path, *args: str, env: dict[str, str] | None = None, ok: bool = True, logs=None):
     cache = {"HF_DATASETS_CACHE": str(cwd / "hf-datasets"), **(env or {})}
-    return run_example(cwd, "torchtitan_train.py", *args, env=cache, ok=ok, logs=logs)
+    script = ROOT / "tests" / "scripts" / "torchtitan_example.py"  # the example, less a sleep
+    return run_example(cwd, script, *args, env=cache, ok=ok, logs=logs)
 
 
 @pytest.fixture(scope="module")

@@ -106,11 +106,39 @@ def test_replaced_node_resumes_from_peer_replicas_bitwise(reference_run, tmp_pat
     assert [got[s]["loss"] for s in range(7, 10)] == [ref[s]["loss"] for s in range(7, 10)]
 
 
-def test_kill_during_memory_save_and_a_step_incomplete_on_one_rank(reference_run, tmp_path):
-    dump, local = tmp_path / "run", tmp_path / "shm"
-    args = (*TIERS, "--checkpoint.interval", "100", "--checkpoint.local_folder", str(local))
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory):
+    """Runs whose every rank was killed (SIGKILL) writing a memory-tier step, trained once for
+    the tests that read them (each copies one, ``_copy``): with a durable save every 5 steps,
+    killed at step 8 (step 6 in memory, step 5 durable), and with none, killed at step 6."""
+    runs = {}
+    for name, failpoint, extra in (
+        ("durable-5", "local_write:8", ()),
+        ("memory-only", "local_write:6", ("--checkpoint.interval", "100")),
+    ):
+        top = tmp_path_factory.mktemp(name)
+        dump, local = top / "run", top / "shm"
+        args = (*TIERS, *extra, "--checkpoint.local_folder", str(local))
+        proc = run_train(2, dump, *args, env={"DCPKIT_FAILPOINT": failpoint}, check=False)
+        runs[name] = (proc, dump, local, extra)
+    return runs
+
+
+def _copy(killed_runs, name: str, into: Path):  # type: ignore[no-untyped-def]
+    """One of ``killed_runs`` copied into ``into``: its output, folders and the arguments that
+    resume it from there."""
+    proc, dump, local, extra = killed_runs[name]
+    shutil.copytree(dump, into / "run", symlinks=True)
+    shutil.copytree(local, into / "shm", symlinks=True)
+    args = (*TIERS, *extra, "--checkpoint.local_folder", str(into / "shm"))
+    return proc, into / "run", into / "shm", args
+
+
+def test_kill_during_memory_save_and_a_step_incomplete_on_one_rank(
+    reference_run, killed_runs, tmp_path
+):
     # every rank killed while writing step 6 to memory
-    proc = run_train(2, dump, *args, env={"DCPKIT_FAILPOINT": "local_write:6"}, check=False)
+    proc, dump, local, args = _copy(killed_runs, "memory-only", tmp_path)
     assert proc.returncode != 0
     kept = sorted(p.name for p in (local / "rank-0").iterdir() if p.name.startswith("step-"))
     assert kept == ["step-2", "step-4"]
@@ -125,10 +153,8 @@ def test_kill_during_memory_save_and_a_step_incomplete_on_one_rank(reference_run
     assert {e["tier"] for e in saves} == {"memory", "durable"}
 
 
-def test_memory_tier_at_another_world_size_uses_the_durable_tier(tmp_path):
-    dump, local = tmp_path / "run", tmp_path / "shm"
-    args = (*TIERS, "--checkpoint.local_folder", str(local))
-    run_train(2, dump, *args, env={"DCPKIT_FAILPOINT": "local_write:8"}, check=False)
+def test_memory_tier_at_another_world_size_uses_the_durable_tier(killed_runs, tmp_path):
+    _, dump, local, args = _copy(killed_runs, "durable-5", tmp_path)
     assert (local / "rank-0" / "step-6").is_dir()  # newer than the durable step 5
     proc = run_train(1, dump, *args, "--training.stop_at_step", "6")
     assert "resuming after step 5" in proc.stdout
@@ -145,15 +171,13 @@ def _flip_a_byte_of_the_largest_data_file(step: Path) -> Path:
 
 
 def test_a_memory_tier_copy_failing_its_checksums_as_it_loads_falls_back_or_stops(
-    reference_run, tmp_path
+    reference_run, killed_runs, tmp_path
 ):
     """The memory tier's data files are checksummed as the load reads them (one pass): a copy
     whose bytes changed on one rank makes every rank load the durable tier instead, which
     overwrites what was read (losses as the reference run's); with no durable checkpoint to
     load instead, the load stops with an error naming the step, never a fresh start."""
-    dump, local = tmp_path / "run", tmp_path / "shm"
-    args = (*TIERS, "--checkpoint.local_folder", str(local))
-    run_train(2, dump, *args, env={"DCPKIT_FAILPOINT": "local_write:8"}, check=False)
+    _, dump, local, args = _copy(killed_runs, "durable-5", tmp_path / "durable")
     assert (local / "rank-1" / "step-6").is_dir() and (dump / "checkpoint" / "step-5").is_dir()
     _flip_a_byte_of_the_largest_data_file(local / "rank-1" / "step-6")
     proc = run_train(2, dump, *args, "--training.stop_at_step", "8")
@@ -163,9 +187,7 @@ def test_a_memory_tier_copy_failing_its_checksums_as_it_loads_falls_back_or_stop
     ref, got = read_metrics(reference_run), read_metrics(dump)
     assert [got[s]["loss"] for s in range(6, 9)] == [ref[s]["loss"] for s in range(6, 9)]
 
-    dump, local = tmp_path / "alone", tmp_path / "shm-alone"
-    args = (*TIERS, "--checkpoint.interval", "100", "--checkpoint.local_folder", str(local))
-    run_train(2, dump, *args, env={"DCPKIT_FAILPOINT": "local_write:6"}, check=False)
+    _, dump, local, args = _copy(killed_runs, "memory-only", tmp_path / "alone")
     _flip_a_byte_of_the_largest_data_file(local / "rank-0" / "step-4")
     proc = run_train(2, dump, *args, "--training.stop_at_step", "6", check=False)
     assert proc.returncode != 0

@@ -67,13 +67,14 @@ def test_plan_validation_finds_what_dcps_finds():
 
 def test_planning_scale_benchmark_small(tmp_path):
     out = tmp_path / "planning.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "planning_scale.py"), "--models", "8B,70B"]
-    cmd += ["--max-world", "32", "--max-items", "2e5", "--replicas", "", "--json", str(out)]
+    # one model, 8 and 16 ranks measured, 32 extrapolated: the sweep is the benchmark's
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "planning_scale.py"), "--models", "8B"]
+    cmd += ["--max-world", "32", "--max-items", "1e5", "--replicas", "", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     measured = [r for r in rows if r["measured"]]
-    assert {(r["model"], r["world"]) for r in measured} >= {("8B", 8), ("8B", 16), ("70B", 8)}
+    assert {(r["model"], r["world"]) for r in measured} == {("8B", 8), ("8B", 16)}
     for r in measured:
         assert r["global_plans"] == (1 if planning.CACHING else 2)
         assert r["metadata_bytes"] > 0 and r["items_after_dedup"] < r["items"]
@@ -92,7 +93,7 @@ def test_planning_scale_benchmark_small(tmp_path):
         assert r["described_metadata_bytes"] > 0 and r["described_index_bytes"] > 0
         assert r["described_chunks_read_back"] == r["described_chunks"] > 0
     # A cell over the item budget is extrapolated, and says so.
-    assert any(not r["measured"] for r in rows if r["model"] == "70B")
+    assert [r["world"] for r in rows if not r["measured"]] == [32]
     assert (tmp_path / "planning.png").stat().st_size > 0
     # Scale's tables render from such a run: extrapolated cells marked, every model shown.
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -102,9 +103,9 @@ def test_planning_scale_benchmark_small(tmp_path):
         sys.path.remove(str(ROOT / "benchmarks"))
     data = json.loads(out.read_text())
     first = scale.planning(data)
-    assert "| 8B, 8 | " in first and "| 70B, 32 * | " in first and "0 plannings" in first
+    assert "| 8B, 8 | " in first and "| 8B, 32 * | " in first and "0 plannings" in first
     for render in (scale.planning_parse, scale.planning_index, scale.planning_restart):
-        assert "| 32 * |" in render(data) or "| 70B, 32 * |" in render(data), render.__name__
+        assert "| 32 * |" in render(data) or "| 8B, 32 * |" in render(data), render.__name__
     assert "| 32 | " in scale.planning_first_save(data)  # the first save: measured at every size
 
 
