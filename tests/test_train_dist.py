@@ -181,21 +181,21 @@ def test_tensor_parallel_checkpoint_reshards_to_fsdp(reference_run, tmp_path):
 
 
 def test_qwen3_tied_embeddings_stay_tied_under_tp_and_reshard(tmp_path):
-    qwen = ("--model.name", "qwen3", "--training.steps", "5", "--training.seq_len", "64")
+    qwen = ("--model.name", "qwen3", "--training.steps", "4", "--training.seq_len", "64")
     qwen += ("--training.global_batch_size", "4")  # a smaller step: qwen3's debugmodel is wide
     ref = tmp_path / "fsdp"
     run_train(2, ref, *qwen)
     dump = tmp_path / "tp"
     run_train(
-        2, dump, *qwen, "--parallelism.tensor_parallel_degree", "2", "--training.stop_at_step", "3"
+        2, dump, *qwen, "--parallelism.tensor_parallel_degree", "2", "--training.stop_at_step", "2"
     )
-    with DCPCheckpoint(dump / "checkpoint" / "step-3") as ckpt:
+    with DCPCheckpoint(dump / "checkpoint" / "step-2") as ckpt:
         # One weight: trained as one under tensor parallelism, saved as one.
         assert torch.equal(ckpt.read("output.weight"), ckpt.read("tok_embeddings.weight"))
     run_train(2, dump, *qwen)  # resumes the TP checkpoint under FSDP
     want, got = read_metrics(ref), read_metrics(dump)
-    assert sorted(got) == [1, 2, 3, 4, 5]
-    for step in range(1, 6):
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in range(1, 5):
         assert abs(got[step]["loss"] - want[step]["loss"]) / want[step]["loss"] < 1e-3, step
 
 
