@@ -8,8 +8,10 @@ Run it again and it resumes from its latest checkpoint, bitwise as if never stop
 AdamW, scheduler, every process's RNG (dropout) and the dataloader's position mid-epoch.
 STOP_AFTER stops it early (it saves that step first). Checkpoints go to
 ./outputs/accelerate/checkpoint/step-N; `dcpkit to-hf` exports one with no other argument.
+LORA=1 fine-tunes PEFT LoRA adapters of the model instead of the model (its base frozen).
 """
 
+import os
 import sys
 
 import torch
@@ -29,7 +31,12 @@ config = LlamaConfig(
     num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1,
 )  # fmt: skip
 model = LlamaForCausalLM(config)
-optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+if os.environ.get("LORA"):  # adapters trained, the base frozen
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    model = get_peft_model(model, lora)
+optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
 tokens = torch.randint(0, config.vocab_size, (96, 16), generator=torch.Generator().manual_seed(1))
 data = torch.utils.data.DataLoader(tokens, batch_size=4, shuffle=True)

@@ -9,7 +9,8 @@ a tiny Llama with attention dropout, a shuffled dataset, 2 micro-batches per ste
 micro-batch (each rank's, to the last bit).
 ASYNC_MODE sets dcpkit's ``async_mode``; TRAINER=own uses the Trainer's own saves;
 TRAINER=sft trains with TRL's ``SFTTrainer`` (a pre-tokenized dataset, a small tokenizer);
-LORA=1 trains PEFT LoRA adapters of the model instead of the model; EVAL=1 evaluates at each
+LORA=1 trains PEFT LoRA adapters of the model instead of the model (with TRAINER=sft, as TRL's
+users do: ``SFTTrainer(peft_config=...)``); EVAL=1 evaluates at each
 save (``metric_for_best_model``) and ends with the best step's model, written to
 OUTPUT_DIR/final-model.pt.
 """
@@ -80,11 +81,13 @@ config = LlamaConfig(
 )  # fmt: skip
 model = LlamaForCausalLM(config)
 model.config._attn_implementation = "eager"
+lora = None
 if os.environ.get("LORA"):  # a LoRA fine-tune: the Trainer's no-decay parameter group is empty
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
-    model = get_peft_model(model, lora)
+    if kind != "sft":  # TRL wraps the model itself, given peft_config
+        model = get_peft_model(model, lora)
 evaluate = {}  # EVAL: evaluated at each save; the best step's model loaded at the end
 if os.environ.get("EVAL"):
     evaluate = {"eval_strategy": "steps", "eval_steps": 3, "load_best_model_at_end": True,
@@ -118,7 +121,9 @@ elif kind == "sft":
     kwargs["args"] = SFTConfig(**{**args.to_dict(), "max_length": 16, "packing": False})
     ids = Tokens().ids.tolist()
     kwargs["train_dataset"] = Dataset.from_dict({"input_ids": ids})
-    trainer = DcpkitSFTTrainer(**kwargs, processing_class=tokenizer, dcpkit_config=dcpkit_config)
+    trainer = DcpkitSFTTrainer(
+        **kwargs, processing_class=tokenizer, peft_config=lora, dcpkit_config=dcpkit_config
+    )
 else:
     trainer = DcpkitTrainer(**kwargs, dcpkit_config=dcpkit_config)
 if "--last-checkpoint" in sys.argv:  # how transformers' example scripts (run_clm.py) resume

@@ -71,6 +71,19 @@ def test_accelerate_stopped_and_resumed_equals_uninterrupted(accelerate_full, tm
     assert_resumed(full, run_example(tmp_path, "accelerate_loop.py"), 11)
 
 
+def test_accelerate_lora_fine_tune_stopped_and_resumed_equals_uninterrupted(tmp_path):
+    """The Accelerate example fine-tuning PEFT LoRA adapters (the base frozen, the optimizer
+    given the adapters only): stopped mid-epoch and resumed, every loss the uninterrupted
+    run's, bit for bit."""
+    lora = {"LORA": "1"}
+    (tmp_path / "full").mkdir()
+    full = run_example(tmp_path / "full", "accelerate_loop.py", env=lora)
+    assert sorted(full) == list(range(1, 17))
+    stopped = run_example(tmp_path, "accelerate_loop.py", "10", env=lora)
+    assert all(stopped[s] == full[s] for s in stopped) and sorted(stopped) == list(range(1, 11))
+    assert_resumed(full, run_example(tmp_path, "accelerate_loop.py", env=lora), 11)
+
+
 def test_accelerate_killed_mid_save_resumes_from_the_last_published_step(accelerate_full, tmp_path):
     full, _ = accelerate_full
     run_example(tmp_path, "accelerate_loop.py", env={"DCPKIT_FAILPOINT": "mid_write:8"}, ok=False)

@@ -112,14 +112,23 @@ def test_the_best_checkpoint_survives_save_total_limit_and_loads_at_the_end(tmp_
         assert not all(torch.equal(value, last.read(key)) for key, value in final.items())
 
 
+SFT = {"TRAINER": "sft"}
+
+
+@pytest.fixture(scope="module")
+def sft_full(tmp_path_factory):
+    """An uninterrupted run of TRL's ``SFTTrainer`` with the mixin: each micro-batch's loss."""
+    full, _ = trainer_run(tmp_path_factory.mktemp("sft") / "full", env=SFT)
+    assert len(full) == 2 * 14 * 2
+    return full
+
+
 @pytest.mark.dist
-def test_trl_sft_trainer_resumes_bitwise(tmp_path):
+def test_trl_sft_trainer_resumes_bitwise(sft_full, tmp_path):
     """TRL's ``SFTTrainer`` (built on ``Trainer``) with the mixin: stopped after step 9, and
     killed in the middle of step 12's save; each resumed, every micro-batch loss equal to an
     uninterrupted run's."""
-    sft = {"TRAINER": "sft"}
-    full, _ = trainer_run(tmp_path / "full", env=sft)
-    assert len(full) == 2 * 14 * 2
+    sft, full = SFT, sft_full
     out = tmp_path / "stopped"
     first, _ = trainer_run(out, "9", env=sft)
     resumed, log = trainer_run(out, "--resume", env=sft)
@@ -139,6 +148,111 @@ def test_trl_sft_trainer_resumes_bitwise(tmp_path):
     assert steps_of(out / "checkpoint") == ["step-3", "step-6", "step-9"]
     resumed, _ = trainer_run(out, "--resume", env=sft)
     assert [k for k, v in resumed.items() if full[k] != v] == [] and len(resumed) == 20
+
+
+# The oldest and the newest releases the mixin supports (``TESTED``, ``TESTED_TRL``); the rest of
+# the suite runs the ones constraints.txt pins (transformers 5.24.0, TRL 1.16.0).
+RELEASES = {
+    "oldest": ("transformers==5.23.0", "trl==1.14.2"),
+    "newest": ("transformers==5.25.0", "trl==1.16.0"),
+}
+REPLACED = (
+    "train", "_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
+    "_load_rng_state", "_load_scaler", "_load_best_model",
+)  # fmt: skip
+
+
+def release_python(which: str) -> Path:
+    """The Python of a virtual environment with the release's transformers and TRL installed
+    over this environment's packages (seen through a ``.pth`` line, so that only what the
+    release needs otherwise is downloaded; torch stays this one's), made once and kept in this
+    environment's folder (``.venv/releases``)."""
+    import fcntl
+    import shutil
+    import subprocess
+    import sys
+
+    pins = RELEASES[which]
+    venv = Path(sys.prefix) / "releases" / "-".join(p.replace("==", "-") for p in pins)
+    python = venv / "bin" / "python"
+    venv.parent.mkdir(exist_ok=True)
+    with open(venv.parent / ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (venv / ".installed").is_file():
+            return python
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        purelib = subprocess.check_output(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+        import sysconfig
+
+        ours = sysconfig.get_paths()["purelib"]  # its .pth files too (dcpkit's editable install)
+        Path(purelib, "_suite_env.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+        torch_pin = venv / "torch.txt"
+        torch_pin.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
+        cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet"]
+        proc = subprocess.run(
+            [*cmd, "-c", str(torch_pin), *pins], capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        (venv / ".installed").write_text(" ".join(pins) + "\n")
+    return python
+
+
+def _replaced_methods(trainer_py: Path) -> dict[str, str]:
+    """The source of each ``Trainer`` method the mixin replaces, in a release's trainer.py."""
+    import ast
+
+    source = trainer_py.read_text()
+    tree = ast.parse(source)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    found = {f.name: ast.get_source_segment(source, f) for f in cls.body if hasattr(f, "name")}
+    return {name: found.get(name, "") for name in REPLACED}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("which", sorted(RELEASES))
+def test_the_mixin_on_the_oldest_and_newest_releases_it_supports(sft_full, tmp_path, which):
+    """TRL's ``SFTTrainer`` with the mixin on the oldest (transformers 5.23, TRL 1.14) and the
+    newest (5.25, 1.16) releases the mixin accepts, each in an environment of its own: their
+    ``Trainer`` methods the mixin replaces are, to the character, those of the release the rest
+    of the suite runs; stopped after step 9 and resumed, every micro-batch loss equal to an
+    uninterrupted run's: on the newest, the suite's own on 5.24 (their losses are the same), on
+    the oldest, its own (TRL 1.14's losses differ from 1.16's)."""
+    import subprocess
+
+    import transformers
+
+    from conftest import torchrun_env
+
+    python = release_python(which)
+    shown = subprocess.run(
+        [python, "-c", "import transformers, trl; print(transformers.__file__, "
+         "transformers.__version__, trl.__version__)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert shown[1:] == [p.split("==")[1] for p in RELEASES[which]], shown
+    theirs = _replaced_methods(Path(shown[0]).parent / "trainer.py")
+    ours = _replaced_methods(Path(transformers.__file__).parent / "trainer.py")
+    assert all(ours.values()) and theirs == ours, [n for n in REPLACED if theirs[n] != ours[n]]
+    example = ROOT / "examples" / "transformers_trainer.py"
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", example]
+    runs = {"full": sft_full} if which == "newest" else {}
+    for name, folder, args in (("full", "full", []), ("stopped", "run", ["9"]),
+                               ("resumed", "run", ["--resume"])):  # fmt: skip
+        if name in runs:
+            continue
+        proc = subprocess.run(
+            [*cmd, str(tmp_path / folder), *args], env=torchrun_env(SFT), capture_output=True,
+            text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        found = re.findall(r"^loss (\d) (\d+) (\d) (\S+)$", proc.stdout, re.M)
+        runs[name] = {(int(r), int(s), int(m)): v for r, s, m, v in found}
+    full, first, resumed = runs["full"], runs["stopped"], runs["resumed"]
+    assert len(full) == 2 * 14 * 2 and {s for _, s, _ in resumed} == set(range(10, 15))
+    assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
 
 
 @pytest.mark.dist
@@ -162,6 +276,26 @@ def test_a_lora_fine_tune_under_the_trainer_resumes_bitwise(tmp_path):
     assert "step-9" in log and {s for _, s, _ in resumed} == set(range(10, 15))
     assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
     _exports_of_a_lora_step(out / "checkpoint" / "step-14", tmp_path)
+
+
+@pytest.mark.dist
+def test_a_lora_fine_tune_under_trl_resumes_bitwise(tmp_path):
+    """TRL's ``SFTTrainer`` given ``peft_config`` (it wraps the model itself, as TRL's users
+    do) with the mixin: the adapters saved, stopped after step 9 and resumed, every later
+    micro-batch loss equal to an uninterrupted run's."""
+    from dcpkit.formats.dcp import DCPCheckpoint
+
+    lora = {**SFT, "LORA": "1"}
+    full, _ = trainer_run(tmp_path / "full", env=lora)
+    assert len(full) == 2 * 14 * 2
+    out = tmp_path / "stopped"
+    first, _ = trainer_run(out, "9", env=lora)
+    with DCPCheckpoint(out / "checkpoint" / "step-9") as step:
+        keys = list(step.metadata.state_dict_metadata)
+    assert any("lora_A" in k for k in keys), keys[:10]
+    resumed, log = trainer_run(out, "--resume", env=lora)
+    assert "step-9" in log and {s for _, s, _ in resumed} == set(range(10, 15))
+    assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
 
 
 def _exports_of_a_lora_step(step: Path, tmp_path: Path) -> None:
@@ -274,9 +408,11 @@ def test_the_trainer_mixin_refuses_an_untested_transformers_and_options_it_canno
     with pytest.raises(CheckpointError, match=r"checkpoint-N of output_dir|not a checkpoint of"):
         build().train(resume_from_checkpoint=str(tmp_path / "another-run" / "checkpoint-3"))
     check_version(".".join(map(str, TESTED[0])) + ".0")
-    with pytest.raises(ConfigError, match=r"tested with trl 1\.16\.x; this is trl 0\.9\.6"):
+    refused = r"tested with trl 1\.14 to 1\.16\.x; this is trl 0\.9\.6"
+    with pytest.raises(ConfigError, match=refused):
         check_version("0.9.6", "trl")
-    for version in ("4.57.1", "5.99.0", "dev"):
+    check_version(".".join(map(str, TESTED[1])) + ".9")
+    for version in ("4.57.1", "5.22.2", "5.26.0", "5.99.0", "dev"):
         monkeypatch.setattr(integration, "installed_version", lambda v=version: v)
         with pytest.raises(ConfigError, match=rf"tested with transformers .*this is .*{version}"):
             build()

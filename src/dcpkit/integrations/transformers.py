@@ -58,10 +58,11 @@ from dcpkit.storage.opening import local_path, open_store
 
 logger = logging.getLogger(__name__)
 
-TESTED = ((5, 24), (5, 24))
+TESTED = ((5, 23), (5, 25))
 """The ``transformers`` releases (major, minor), first and last, whose private ``Trainer``
-methods the mixin replaces were tested."""
-TESTED_TRL = ((1, 16), (1, 16))
+methods the mixin replaces were tested (the tests run the oldest and the newest, and check
+their replaced methods are those of the release the suite runs)."""
+TESTED_TRL = ((1, 14), (1, 16))
 """The same for TRL, whose trainers are built on ``Trainer``."""
 STATE_KEY = "trainer_state"
 _JSON = "json"
