@@ -8,6 +8,8 @@ SITE   := site
 TEST_WORKERS ?= 2
 PYTEST_ARGS  := -q --durations=40 -n $(TEST_WORKERS) --dist loadfile
 ALONE_ARGS   := -q --durations=10
+# the files that hold `alone` tests: the second pass collects those only
+ALONE_FILES   = $(shell grep -l "mark\.alone" tests/test_*.py)
 
 .PHONY: demo test test-profile docs chromium lint fuzz venv clean report-check wheel-check
 
@@ -26,7 +28,7 @@ test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d $(SITE)
 	$(PY) -m pytest $(PYTEST_ARGS) -m "not alone"; side=$$?; \
-	DCPKIT_TEST_PROFILE_MERGE=1 $(PY) -m pytest $(ALONE_ARGS) -m alone; alone=$$?; \
+	DCPKIT_TEST_PROFILE_MERGE=1 $(PY) -m pytest $(ALONE_ARGS) -m alone $(ALONE_FILES); alone=$$?; \
 	test $$side = 0 -a $$alone = 0
 
 # The suite run once with its profile: where the time goes, per test file and per kind of cost,

@@ -97,19 +97,24 @@ def test_two_runs_started_together_on_a_slow_store_exactly_one_takes_the_lease(
     assert not any("cannot create a file only if it is absent" in e for e in errors), errors
 
 
-def _second_run_is_refused(folder: str, tmp_path, reference_run, lease_exists) -> None:
+def _second_run_is_refused_and_a_dead_run_s_lease_taken_over(
+    folder: str, tmp_path, reference_run, lease_exists
+) -> None:
     """A runs alone (the reference schedule of 20 steps, stopped after step 10); B starts on A's
-    folder while A runs, and must stop; A is unharmed. A is
-    paused (SIGSTOP to its launcher and ranks) from the moment its lease exists until B has
-    ended, so B meets A running whatever the machine's speed: a paused process is alive, as a
-    slow one is, and its lease on this host is judged by its pid."""
+    folder while A runs, and must stop, A going on unharmed. A is paused (SIGSTOP to its
+    launcher and ranks) from the moment its lease exists until B has ended, so B meets A
+    running whatever the machine's speed: a paused process is alive, as a slow one is, and its
+    lease on this host is judged by its pid. A then dies (SIGKILL) saving step 10, before it
+    publishes it: its lease is left behind, held by no one. A's next start takes the lease
+    over, loads step 5 and trains on, bitwise as the reference run; its clean end releases the
+    lease."""
     dump_a, dump_b = tmp_path / "a", tmp_path / "b"
     last = 10
     args = ["--job.config_file", str(CONFIG), "--checkpoint.folder", folder]
     args += ["--training.stop_at_step", str(last)]
     first = subprocess.Popen(
         torchrun_command(2, [*args, "--job.dump_folder", str(dump_a)]),
-        env=torchrun_env(),
+        env=torchrun_env({"DCPKIT_FAILPOINT": f"before_publish:{last}:0"}),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -126,35 +131,32 @@ def _second_run_is_refused(folder: str, tmp_path, reference_run, lease_exists) -
     finally:
         os.killpg(first.pid, signal.SIGCONT)
     out_a, _ = first.communicate(timeout=300)
-    assert first.returncode == 0, out_a[-3000:]
     assert second.returncode != 0
     text = second.stdout + second.stderr
     assert "is in use by another run" in text and "pid" in text and "host" in text, text
+    # A trained on unharmed until its death at step 10's publication
+    assert first.returncode != 0, out_a[-3000:]
+    assert open_store(folder).published_steps() == [5], out_a[-3000:]
+    assert lease_exists()  # left behind by the dead run
     ref, got = read_metrics(reference_run), read_metrics(dump_a)
+    assert [got[s]["loss"] for s in range(1, last)] == [ref[s]["loss"] for s in range(1, last)]
+    proc = run_train(2, dump_a, *args[2:])  # the schedule of 20, stopped after step 10
+    assert "taking over the lease" in proc.stdout and f"loaded {folder}/step-5" in proc.stdout
+    got = read_metrics(dump_a)
     assert [got[s]["loss"] for s in range(1, last + 1)] == [
         ref[s]["loss"] for s in range(1, last + 1)
     ]
-
-
-def _stale_lease_is_taken_over(folder: str, tmp_path, reference_run) -> None:
-    dump = tmp_path / "killed"
-    args = ("--checkpoint.folder", folder)
-    proc = run_train(2, dump, *args, env={"DCPKIT_FAILPOINT": "before_publish:10:0"}, check=False)
-    assert proc.returncode != 0
-    proc = run_train(2, dump, *args, "--training.stop_at_step", "10")  # the schedule of 20
-    assert "taking over the lease" in proc.stdout and f"loaded {folder}/step-5" in proc.stdout
-    ref, got = read_metrics(reference_run), read_metrics(dump)
-    assert [got[s]["loss"] for s in range(6, 11)] == [ref[s]["loss"] for s in range(6, 11)]
+    assert open_store(folder).published_steps() == [5, 10]
+    assert not lease_exists()  # released at the end of the run
 
 
 @pytest.mark.dist
 def test_one_writer_per_local_folder(reference_run, tmp_path):
     folder = str(tmp_path / "shared" / "checkpoint")
     lease = tmp_path / "shared" / "checkpoint" / LEASE
-    _second_run_is_refused(folder, tmp_path, reference_run, lease.exists)
-    assert open_store(folder).published_steps() == [5, 10]
-    assert not lease.exists()  # released at the end of the run
-    _stale_lease_is_taken_over(str(tmp_path / "again" / "checkpoint"), tmp_path, reference_run)
+    _second_run_is_refused_and_a_dead_run_s_lease_taken_over(
+        folder, tmp_path, reference_run, lease.exists
+    )
 
 
 @pytest.mark.dist
@@ -165,6 +167,6 @@ def test_one_writer_per_s3_folder(s3, reference_run, tmp_path):
         s3.invalidate_cache()
         return s3.exists(f"{BUCKET}/lease/checkpoint/{LEASE}")
 
-    _second_run_is_refused(folder, tmp_path, reference_run, lease_exists)
-    assert open_store(folder).published_steps() == [5, 10]
-    _stale_lease_is_taken_over(f"s3://{BUCKET}/lease-again/checkpoint", tmp_path, reference_run)
+    _second_run_is_refused_and_a_dead_run_s_lease_taken_over(
+        folder, tmp_path, reference_run, lease_exists
+    )
