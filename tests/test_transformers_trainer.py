@@ -261,20 +261,8 @@ def test_a_lora_fine_tune_under_the_trainer_resumes_bitwise(tmp_path):
     no-decay parameter group is empty (torch's flattened optimizer state has no place for its
     settings, and a resume used to fail). Stopped after step 9 and resumed: every later
     micro-batch loss equal to an uninterrupted run's."""
-    from dcpkit.formats.dcp import DCPCheckpoint
-
-    lora = {"LORA": "1"}
-    full, _ = trainer_run(tmp_path / "full", env=lora)
-    assert len(full) == 2 * 14 * 2
-    out = tmp_path / "stopped"
-    first, _ = trainer_run(out, "9", env=lora)
-    with DCPCheckpoint(out / "checkpoint" / "step-9") as step:
-        keys = list(step.metadata.state_dict_metadata)
-    assert any("lora_A" in k for k in keys), keys[:10]
+    out, keys = _lora_stopped_and_resumed(tmp_path, {"LORA": "1"})
     assert "optimizer.empty_param_groups.0.1.weight_decay" in keys  # the empty no-decay group
-    resumed, log = trainer_run(out, "--resume", env=lora)
-    assert "step-9" in log and {s for _, s, _ in resumed} == set(range(10, 15))
-    assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
     _exports_of_a_lora_step(out / "checkpoint" / "step-14", tmp_path)
 
 
@@ -283,9 +271,15 @@ def test_a_lora_fine_tune_under_trl_resumes_bitwise(tmp_path):
     """TRL's ``SFTTrainer`` given ``peft_config`` (it wraps the model itself, as TRL's users
     do) with the mixin: the adapters saved, stopped after step 9 and resumed, every later
     micro-batch loss equal to an uninterrupted run's."""
+    _lora_stopped_and_resumed(tmp_path, {**SFT, "LORA": "1"})
+
+
+def _lora_stopped_and_resumed(tmp_path: Path, lora: dict[str, str]) -> tuple[Path, list[str]]:
+    """The example with ``lora``'s settings run through, and stopped after step 9 (its step 9
+    holding the adapters) then resumed: every micro-batch loss the uninterrupted run's. Returns
+    the stopped run's folder and step 9's keys."""
     from dcpkit.formats.dcp import DCPCheckpoint
 
-    lora = {**SFT, "LORA": "1"}
     full, _ = trainer_run(tmp_path / "full", env=lora)
     assert len(full) == 2 * 14 * 2
     out = tmp_path / "stopped"
@@ -296,6 +290,7 @@ def test_a_lora_fine_tune_under_trl_resumes_bitwise(tmp_path):
     resumed, log = trainer_run(out, "--resume", env=lora)
     assert "step-9" in log and {s for _, s, _ in resumed} == set(range(10, 15))
     assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []
+    return out, keys
 
 
 def _exports_of_a_lora_step(step: Path, tmp_path: Path) -> None:
