@@ -75,6 +75,35 @@ def trainer_stall(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def lightning_stall(data: dict) -> str:
+    names = {"lightning": "Lightning's own `ModelParallelStrategy` (DCP, synchronous)"}
+    saves = len(next(iter(data["results"].values()))["stalls_s"])
+    opts, ours = data["options"], data["results"]["disabled"]
+    written = opts["steps"] // opts["every"]  # every save kept
+    lines = [
+        para(
+            f"The model: {ours['params'] / 1e6:.0f} M parameters, FSDP2 over 2 processes, a "
+            f"checkpoint of {ours['bytes_on_disk'] / written / GIB:.2f} GiB with AdamW's state; "
+            f"{opts['steps']} batches, a save every {opts['every']}."
+        ).rstrip("\n"),
+        "",
+    ]
+    lines += head(
+        "save",
+        f"stall per save (median of {saves})",
+        "of which in the strategy's save",
+        "a batch without a save",
+        "the whole run",
+    )
+    for mode, r in data["results"].items():
+        name = names.get(mode, f"dcpkit `{mode}`")
+        lines.append(
+            f"| {name} | {r['stall_s']:.2f} s | {r['save_call_s']:.2f} s | {r['step_s']:.2f} s "
+            f"| {r['total_s']:.1f} s |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def readers_beside(data: dict) -> str:
     names = {
         "alone": "no reader",
@@ -398,6 +427,9 @@ SOURCES: dict[str, Source] = {
     ),
     "trainer_stall": Source(
         "benchmarks/results/trainer_stall.json", "benchmarks/trainer_stall.py", trainer_stall
+    ),
+    "lightning_stall": Source(
+        "benchmarks/results/lightning_stall.json", "benchmarks/lightning_stall.py", lightning_stall
     ),
     "async_stall": Source(
         "benchmarks/results/async_stall.json", "benchmarks/async_stall.py", async_stall

@@ -5,8 +5,9 @@
 A LightningModule holding a tiny `transformers` Llama (with dropout), trained by Lightning's own
 `Trainer` with DDP (or, with STRATEGY=fsdp, sharded by FSDP2 under dcpkit's
 `ModelParallelStrategy`), its `ModelCheckpoint` (top 2 by loss, and `last`) saving through
-`DcpCheckpointIO`; `RNGState` keeps every process's RNG. Run it again: `ckpt_path="last"`
-resumes from the last checkpoint, bitwise as if never stopped. Checkpoints are folders in
+`DcpCheckpointIO` (under FSDP2, ASYNC_MODE=async saves in the background); `RNGState` keeps
+every process's RNG. Run it again: `ckpt_path="last"` resumes from the last checkpoint,
+bitwise as if never stopped. Checkpoints are folders in
 ./outputs/lightning/checkpoints; `dcpkit verify` and `dcpkit to-hf` take any of them.
 """
 
@@ -65,7 +66,8 @@ fsdp = os.environ.get("STRATEGY") == "fsdp"
 strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if fsdp else "ddp"
 trainer = L.Trainer(
     accelerator="cpu", devices=2, strategy=strategy, max_epochs=stop_after,
-    plugins=[DcpCheckpointIO(model_prefix="model.", hf_model=HFModel("hf", config))],
+    plugins=[DcpCheckpointIO(model_prefix="model.", hf_model=HFModel("hf", config),
+                             async_mode=os.environ.get("ASYNC_MODE", "disabled"))],
     callbacks=[checkpoints, RNGState()],
     logger=False, enable_progress_bar=False, enable_model_summary=False,
 )  # fmt: skip

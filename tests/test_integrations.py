@@ -341,7 +341,29 @@ def test_lightning_fsdp2_with_async_checkpoint_io_is_refused_before_training():
     proc = run_python(script)
     assert "REFUSED after 0 steps" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "cannot save through AsyncCheckpointIO" in proc.stdout
-    assert "plugins=[DcpCheckpointIO(...)] alone" in proc.stdout
+    assert 'plugins=[DcpCheckpointIO(async_mode="async")] instead' in proc.stdout
+
+
+def test_lightning_fsdp2_saves_in_the_background_and_resumes_bitwise(lightning_full, tmp_path):
+    """``DcpCheckpointIO(async_mode=...)`` under dcpkit's ModelParallelStrategy (FSDP2): the run
+    stopped after 2 epochs saved in the background (``async``, a writer thread per process) and
+    its last save was written before ``fit`` returned (``last.ckpt`` is step 16); resumed with
+    ``async_with_pinned_mem`` (a writer process per rank), every loss is the uninterrupted
+    synchronous run's, bit for bit. Under DDP the mode is refused at the save (Lightning
+    saves from rank 0 alone there; its AsyncCheckpointIO is the way, tested below)."""
+    env, full, _ = lightning_full
+    if env["STRATEGY"] != "fsdp":
+        pytest.skip("the background mode is FSDP2's; under DDP it is refused (test below)")
+    stopped = run_example(tmp_path, "lightning_loop.py", "2", env={**env, "ASYNC_MODE": "async"})
+    assert all(stopped[s] == full[s] for s in stopped) and sorted(stopped) == list(range(1, 17))
+    folder = tmp_path / "outputs" / "lightning" / "checkpoints"
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"], names
+    from dcpkit.integrations.lightning import DcpCheckpointIO
+
+    assert DcpCheckpointIO().load_checkpoint(folder / "last.ckpt")["global_step"] == 16
+    resumed = {**env, "ASYNC_MODE": "async_with_pinned_mem"}
+    assert_resumed(full, run_example(tmp_path, "lightning_loop.py", env=resumed), 17)
 
 
 def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
@@ -396,6 +418,11 @@ def test_lightning_checkpoint_io_round_trip_and_refusals(tmp_path):
     background.teardown()
     back = io.load_checkpoint(tmp_path / "async.ckpt")
     assert torch.equal(back["state_dict"]["model.w"], torch.arange(6.0).reshape(2, 3))
+    with pytest.raises(TypeError, match=r"wrap the plugin in Lightning's\s+AsyncCheckpointIO"):
+        DcpCheckpointIO(async_mode="async").save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt").exists()
+    with pytest.raises(ValueError, match="'later' is not one of disabled, async"):
+        DcpCheckpointIO(async_mode="later")
 
 
 def run_titan(cwd: Path, *args: str, env: dict[str, str] | None = None, ok: bool = True, logs=None):

@@ -8,8 +8,11 @@ Every checkpoint Lightning writes (``ModelCheckpoint``'s top-k and ``last``, an 
 (``epoch=1-step=24.ckpt/``): written beside it and published by a rename (a crash leaves the
 previous one whole), with a manifest of every file's size and checksum, verified before a load
 (``trainer.fit(model, ckpt_path="last")``), never unpickled (values are read with torch's
-weights-only loader). Wrap it in Lightning's ``AsyncCheckpointIO`` to write in the background
-(DDP; not under ``ModelParallelStrategy``, which refuses it).
+weights-only loader). To write in the background: under DDP, wrap it in Lightning's
+``AsyncCheckpointIO``; under FSDP2 (dcpkit's ``ModelParallelStrategy``), give it
+``async_mode="async"`` or ``"async_with_pinned_mem"``: a save then stalls training only for the
+copy of each process's shards into staging buffers, and every process's writer writes them on
+a process group of its own (as ``CheckpointManager``'s asynchronous saves).
 ``lightning_loading.load_from_checkpoint`` (or its ``LoadsDcpCheckpoints`` mixin) builds a
 module from a checkpoint, as Lightning's own method does.
 
@@ -31,16 +34,13 @@ batch (``every_n_train_steps``), exactly; one written mid-epoch restarts the epo
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, CheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallelStrategy
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -50,20 +50,28 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dcpkit import dist
+from dcpkit.config import ASYNC_MODES
+from dcpkit.engine.async_save import AsyncCheckpointer
 from dcpkit.engine.load import verify_everywhere
-from dcpkit.engine.publish import StepInfo, write_and_publish
-from dcpkit.engine.reading import dcp_reader, load_failure
+from dcpkit.engine.publish import StepInfo, delete_steps, write_and_publish
+from dcpkit.engine.reading import dcp_reader
 from dcpkit.engine.states import capture_rng, differing_states, rank_key, restore_rng
 from dcpkit.engine.values import check_storable
 from dcpkit.errors import CheckpointError, CorruptCheckpoint
+from dcpkit.integrations.lightning_layout import (
+    LIGHTNING,
+    dcp_load,
+    decode_keys,
+    from_layout,
+    move,
+    read_whole,
+    to_layout,
+)
 from dcpkit.layout import MODEL, OPTIMIZER
 from dcpkit.safe_pickle import safe_load_planner
 from dcpkit.storage import open_location
 
 logger = logging.getLogger(__name__)
-
-LIGHTNING = "lightning"
-"""The top-level group holding everything of Lightning's checkpoint besides the parameters."""
 
 
 class DcpCheckpointIO(CheckpointIO):
@@ -73,7 +81,11 @@ class DcpCheckpointIO(CheckpointIO):
     ``hf_model``: ``dcpkit.HFModel("hf", config)`` of a ``transformers`` model inside the
     module, recorded in the manifest so that ``dcpkit to-hf`` exports without being told;
     ``verify_on_load``: check every file's size and checksum before loading (the processes
-    split the work); ``storage_options``: fsspec options for ``s3://`` and other URLs.
+    split the work); ``storage_options``: fsspec options for ``s3://`` and other URLs;
+    ``async_mode`` (under dcpkit's ``ModelParallelStrategy``): ``"async"`` (a writer thread) or
+    ``"async_with_pinned_mem"`` (a writer process per rank) saves in the background, training
+    blocked only for the staging copy; each save first waits for the one before it, and the
+    last is written before ``fit`` returns (its failure raised there, naming the checkpoint).
     """
 
     def __init__(
@@ -83,7 +95,13 @@ class DcpCheckpointIO(CheckpointIO):
         verify_on_load: bool = True,
         storage_options: dict[str, Any] | None = None,
         retry_s: float = 120.0,
+        async_mode: str = "disabled",
     ) -> None:
+        if async_mode not in ASYNC_MODES:
+            raise ValueError(
+                f"DcpCheckpointIO: async_mode {async_mode!r} is not one of {', '.join(ASYNC_MODES)}"
+            )
+        self.async_mode = async_mode
         self.model_prefix = model_prefix
         self.hf_model = hf_model
         self.verify_on_load = verify_on_load
@@ -93,15 +111,25 @@ class DcpCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
+        if self.async_mode != "disabled":
+            raise TypeError(
+                f"DcpCheckpointIO(async_mode={self.async_mode!r}) saves in the background under "
+                "dcpkit's ModelParallelStrategy, where every process writes its shards; here "
+                "Lightning's strategy saves from rank 0 alone: wrap the plugin in Lightning's "
+                "AsyncCheckpointIO instead (plugins=[AsyncCheckpointIO(DcpCheckpointIO(...))])"
+            )
         with dist.this_process_only():  # rank 0 alone, as Lightning calls it
             self.write(checkpoint, path)
 
-    def write(self, checkpoint: dict[str, Any], path: Any) -> None:
+    def write(
+        self, checkpoint: dict[str, Any], path: Any, background: AsyncCheckpointer | None = None
+    ) -> None:
         """Write Lightning's ``checkpoint`` as a dcpkit checkpoint at ``path``: by this process
-        alone (``dist.this_process_only``), or by every process of the group together."""
+        alone (``dist.this_process_only``), or by every process of the group together; with
+        ``background``, returns once every tensor is copied (its writer does the rest)."""
         store, name = open_location(path, self.storage_options)
         location = store.location(name)
-        state = _to_layout(checkpoint, self.model_prefix, location)
+        state = to_layout(checkpoint, self.model_prefix, location)
         check_storable({LIGHTNING: state[LIGHTNING]})
         differing = differing_states(state, [LIGHTNING])  # one copy is kept: the same everywhere
         if differing:
@@ -119,7 +147,11 @@ class DcpCheckpointIO(CheckpointIO):
             model=self.hf_model.record() if hasattr(self.hf_model, "record") else None,
             name=name,
         )
-        write_and_publish(info, state)
+        if background is None:
+            write_and_publish(info, state)
+            return
+        background.save(state, info)  # waits for the save before it, then starts copying
+        background.wait_for_staging()
 
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
@@ -127,15 +159,15 @@ class DcpCheckpointIO(CheckpointIO):
         store, name, location = self._verified(path)
         start = time.perf_counter()
         with dist.this_process_only(), dist.quiet_single_process():
-            state = _read_whole(store, name, location)
-        checkpoint = _from_layout(state, self.model_prefix, location)
+            state = read_whole(store, name, location)
+        checkpoint = from_layout(state, self.model_prefix, location)
         if map_location is not None:
             if not isinstance(map_location, str | torch.device):
                 raise TypeError(
                     f"DcpCheckpointIO: map_location must be a device (a str or torch.device), "
                     f"got {type(map_location).__name__}"
                 )
-            checkpoint = _move(checkpoint, torch.device(map_location))
+            checkpoint = move(checkpoint, torch.device(map_location))
         logger.info("checkpoint: loaded %s in %.2fs", location, time.perf_counter() - start)
         return checkpoint
 
@@ -156,14 +188,14 @@ class DcpCheckpointIO(CheckpointIO):
         if with_optimizers:
             template[OPTIMIZER] = [get_optimizer_state_dict(module, opt) for opt in optimizers]
         with dist.quiet_single_process():  # each process plans and reads its own shards
-            _dcp_load(template, reader, safe_load_planner(), location)
+            dcp_load(template, reader, safe_load_planner(), location)
         options = StateDictOptions(strict=True)
         set_model_state_dict(module, {prefix + k: v for k, v in model_sd.items()}, options=options)
         for opt, sd in zip(optimizers, template.get(OPTIMIZER, [])):
             set_optimizer_state_dict(module, opt, sd)
         with dist.this_process_only(), dist.quiet_single_process():
-            rest = _read_whole(store, name, location, only=LIGHTNING)
-        checkpoint = _decode_keys(rest[LIGHTNING])
+            rest = read_whole(store, name, location, only=LIGHTNING)
+        checkpoint = decode_keys(rest[LIGHTNING])
         checkpoint["state_dict"] = {prefix + k: v for k, v in model_sd.items()}
         if with_optimizers:
             checkpoint["optimizer_states"] = template[OPTIMIZER]
@@ -193,11 +225,19 @@ class ModelParallelStrategy(_ModelParallelStrategy):
 
         Trainer(strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
                 plugins=[DcpCheckpointIO(...)])
+
+    With ``DcpCheckpointIO(async_mode=...)`` its saves run in the background (the writer set
+    up with the strategy, on every process); ``teardown`` waits for the last one.
     """
 
+    _background: AsyncCheckpointer | None = None
+    _writing: str | None = None  # the path of the save in the background, if any
+
     def setup(self, trainer: Any) -> None:
-        self._dcp_io()  # before anything trains: a plugin it cannot write through is refused
+        io = self._dcp_io()  # before anything trains: a plugin it cannot write through is refused
         super().setup(trainer)
+        if io.async_mode != "disabled" and self._background is None:  # every process: a group
+            self._background = AsyncCheckpointer(io.async_mode, _retire)
 
     def _dcp_io(self) -> DcpCheckpointIO:
         io = self.checkpoint_io
@@ -208,8 +248,8 @@ class ModelParallelStrategy(_ModelParallelStrategy):
                 "save is a collective of every process (DCP plans and commits it on the process "
                 "group), and AsyncCheckpointIO would run it on a thread of its own beside the "
                 "training step's collectives, in an order that differs between processes. Pass "
-                "plugins=[DcpCheckpointIO(...)] alone (saves then block training while they "
-                "write); AsyncCheckpointIO works with DDP, where rank 0 writes alone"
+                'plugins=[DcpCheckpointIO(async_mode="async")] instead: every process copies its '
+                "shards and its writer saves them on a process group of its own"
             )
         if not isinstance(io, DcpCheckpointIO):
             raise TypeError(
@@ -221,16 +261,40 @@ class ModelParallelStrategy(_ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
     ) -> None:
-        self._dcp_io().write(checkpoint, self.broadcast(str(filepath)))
+        path = self.broadcast(str(filepath))
+        self._dcp_io().write(checkpoint, path, self._background)
+        if self._background is not None:
+            self._writing = path
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        self._drain()
         path = self.broadcast(str(checkpoint_path))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         return self._dcp_io().load_sharded(path, self.model, optimizers)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
+            if self._writing is not None and str(filepath) == self._writing:
+                self._drain()  # not deleted under its writer
             self._dcp_io().remove_checkpoint(filepath)
+
+    def teardown(self) -> None:
+        background, self._background = self._background, None
+        try:
+            if background is not None:
+                background.close()  # the last save written (its failure raised here)
+        finally:
+            self._writing = None
+            super().teardown()
+
+    def _drain(self) -> None:
+        if self._background is not None:
+            self._background.wait()
+            self._writing = None
+
+
+def _retire(store: Any, steps: list[int]) -> None:
+    delete_steps(store, steps)  # retention is ModelCheckpoint's: none reach here
 
 
 class RNGState(Callback):
@@ -254,128 +318,3 @@ class RNGState(Callback):
                 "from the callbacks to resume with fresh RNG streams"
             )
         restore_rng(state_dict[key], where="the checkpoint's RNGState")
-
-
-def _to_layout(checkpoint: dict[str, Any], prefix: str, location: str) -> dict[str, Any]:
-    params = checkpoint.get("state_dict", {})
-    outside = [k for k in params if not k.startswith(prefix)]
-    if outside:
-        raise CheckpointError(
-            f"{location}: parameters {', '.join(outside[:4])} do not start with model_prefix "
-            f"{prefix!r}: they would not be found again"
-        )
-    state: dict[str, Any] = {k.removeprefix(prefix): v for k, v in params.items()}
-    clash = [k for k in state if k.split(".")[0] in (LIGHTNING, OPTIMIZER)]
-    if clash:
-        raise CheckpointError(f"{location}: parameter {clash[0]!r} takes a reserved name")
-    if "optimizer_states" in checkpoint:  # not a weights-only checkpoint
-        optimizers = list(checkpoint["optimizer_states"])
-        state[OPTIMIZER] = _encode_keys(optimizers, location, OPTIMIZER)
-    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-    state[LIGHTNING] = _encode_keys(rest, location, LIGHTNING)
-    return state
-
-
-_INT_KEY = "int:"
-
-
-def _encode_keys(obj: Any, location: str, where: str) -> Any:
-    """DCP names every saved value by its path of dict keys, as text: an optimizer's state,
-    keyed by parameter index (0, 1, ...), would come back keyed "0", "1", ... and torch's
-    ``load_state_dict`` would keep it beside fresh state instead of restoring it. Integer keys
-    are saved as ``int:N`` and read back as N; other keys must be text."""
-    if isinstance(obj, dict):
-        out = {}
-        for key, value in obj.items():
-            if type(key) is int:
-                name = f"{_INT_KEY}{key}"
-            elif type(key) is str and not key.startswith(_INT_KEY):
-                name = key
-            else:
-                raise CheckpointError(
-                    f"{location}: {where} has the key {key!r}: keys must be text (not starting "
-                    f"with {_INT_KEY!r}) or integers"
-                )
-            out[name] = _encode_keys(value, location, f"{where}.{key}")
-        return out
-    if isinstance(obj, list | tuple):
-        items = [_encode_keys(v, location, f"{where}[{i}]") for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
-
-
-def _decode_keys(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {
-            (int(k[len(_INT_KEY) :]) if k.startswith(_INT_KEY) else k): _decode_keys(v)
-            for k, v in obj.items()
-        }
-    if isinstance(obj, list):
-        return [_decode_keys(v) for v in obj]
-    return obj
-
-
-def _from_layout(state: dict[str, Any], prefix: str, location: str) -> dict[str, Any]:
-    if LIGHTNING not in state:
-        raise CheckpointError(f"{location} is not a Lightning checkpoint written by dcpkit")
-    checkpoint = _decode_keys(state.pop(LIGHTNING))
-    if OPTIMIZER in state:
-        checkpoint["optimizer_states"] = _decode_keys(state.pop(OPTIMIZER))
-    checkpoint["state_dict"] = {prefix + k: v for k, v in state.items()}
-    return checkpoint
-
-
-def _read_whole(store: Any, name: str, location: str, only: str | None = None) -> dict[str, Any]:
-    """Checkpoint ``name`` read whole (or its group ``only``) into a new dict (a dict of dicts,
-    as saved), its tensors bound first by the bytes its data files really hold."""
-    reader, _ = dcp_reader(store, name)
-    metadata = reader.read_metadata()
-    stored = sum(store.size(f"{name}/{n}") for n in store.list_names(name) if n.endswith(".distcp"))
-    sizes = {
-        fqn: md.properties.dtype.itemsize * math.prod(int(d) for d in md.size)
-        for fqn, md in metadata.state_dict_metadata.items()
-        if isinstance(md, TensorStorageMetadata)
-    }
-    negative = next(
-        (
-            fqn
-            for fqn, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata) and any(int(d) < 0 for d in md.size)
-        ),
-        None,
-    )
-    if negative is not None:
-        shape = list(metadata.state_dict_metadata[negative].size)
-        raise CorruptCheckpoint(f"{location}/.metadata: {negative}: negative size {shape}")
-    wanted = sum(sizes.values())
-    if wanted > stored:
-        largest = max(sizes, key=sizes.__getitem__)
-        raise CorruptCheckpoint(
-            f"{location}/.metadata: {largest}: its tensors claim {wanted} bytes ({largest} "
-            f"{sizes[largest]}) but its data files hold {stored}: damaged or not a checkpoint"
-        )
-    planner = safe_load_planner(everything=True, keys=None if only is None else {only})
-    _dcp_load({}, reader, planner, location)
-    return planner.original_state_dict  # dcp.load fills a dict of its own, the planner's
-
-
-def _dcp_load(template: dict[str, Any], reader: Any, planner: Any, location: str) -> None:
-    """``dcp.load``, its failure one error naming the checkpoint (never DCP's traceback)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from dcpkit.safe_pickle import UnsafeCheckpoint
-
-    try:
-        dcp.load(template, storage_reader=reader, planner=planner, no_dist=True)
-    except (CheckpointException, UnsafeCheckpoint) as e:
-        raise load_failure(e, location) from None
-
-
-def _move(obj: Any, where: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(where)
-    if isinstance(obj, dict):
-        return {k: _move(v, where) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_move(v, where) for v in obj]
-    return obj
