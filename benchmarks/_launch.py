@@ -1,6 +1,7 @@
 """What the benchmarks share: each rank's result gathered and printed by rank 0 as one ``RESULT``
-line, the launcher that runs a script under torchrun and reads that line back, and `forked`,
-which runs one measurement in a child of a process that imported torch once."""
+line, the launcher that runs a script under torchrun and reads that line back, `forked`, which
+runs one measurement in a child of a process that imported torch once, and the results file
+a benchmark writes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,46 @@ from dataclasses import dataclass
 from typing import Any
 
 PREFIX = "RESULT "
+
+
+def model_options(doc: str, dim: int, layers: int, vocab: int) -> Any:
+    """An argument parser described by ``doc``'s first paragraph, with the options of a small
+    Llama's shape (``--dim``, ``--layers``, ``--vocab``, these defaults) and ``--json``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--dim", type=int, default=dim)
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--vocab", type=int, default=vocab)
+    p.add_argument("--json", default="", help="write the results file here")
+    return p
+
+
+def llama_config(opts: Any) -> Any:
+    """The ``transformers`` Llama config of ``model_options``' shape (64 positions, heads of 64)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=opts.vocab, hidden_size=opts.dim, intermediate_size=opts.dim * 8 // 3,
+        num_hidden_layers=opts.layers, num_attention_heads=opts.dim // 64,
+        num_key_value_heads=opts.dim // 64, max_position_embeddings=64,
+    )  # fmt: skip
+
+
+def write_results(opts: Any, keys: tuple[str, ...], results: Any) -> None:
+    """With ``--json PATH`` (``opts.json``): the command line, the options named by ``keys``
+    and ``results``, written to PATH as the results file the docs' figures come from."""
+    if not opts.json:
+        return
+    from pathlib import Path
+
+    script = Path(sys.argv[0]).name
+    record = {
+        "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:]),
+        "options": {k: getattr(opts, k) for k in keys},
+        "results": results,
+    }
+    Path(opts.json).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def report(result: Any) -> None:

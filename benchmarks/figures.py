@@ -104,6 +104,31 @@ def lightning_stall(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def frozen_base(data: dict) -> str:
+    opts, linked = data["options"], data["results"]["linked"]
+    lines = [
+        para(
+            f"The model: {linked['params'] / 1e6:.1f} M parameters, of which "
+            f"{linked['trainable_params'] / 1e6:.2f} M train (LoRA r={opts['rank']}); the frozen "
+            f"base {linked['frozen_bytes'] / MIB:.1f} MiB, the trainable state (adapters and "
+            f"AdamW's moments) {linked['trainable_state_bytes'] / MIB:.2f} MiB; "
+            f"{opts['saves']} saves, the later ones' medians."
+        ).rstrip("\n"),
+        "",
+    ]
+    lines += head(
+        "frozen base", "first save", "each later save", "x the trainable state", "save time"
+    )
+    names = {"linked": "`link_frozen = true`: written once", "written": "`false`: at every save"}
+    for name, r in data["results"].items():
+        ratio = r["save_bytes"] / r["trainable_state_bytes"]
+        lines.append(
+            f"| {names[name]} | {r['first_save_bytes'] / MIB:.2f} MiB | "
+            f"{r['save_bytes'] / MIB:.2f} MiB | {ratio:.2f}x | {r['save_s']:.3f} s |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def readers_beside(data: dict) -> str:
     names = {
         "alone": "no reader",
@@ -427,6 +452,9 @@ SOURCES: dict[str, Source] = {
     ),
     "trainer_stall": Source(
         "benchmarks/results/trainer_stall.json", "benchmarks/trainer_stall.py", trainer_stall
+    ),
+    "frozen_base": Source(
+        "benchmarks/results/frozen_base.json", "benchmarks/frozen_base.py", frozen_base
     ),
     "lightning_stall": Source(
         "benchmarks/results/lightning_stall.json", "benchmarks/lightning_stall.py", lightning_stall

@@ -21,7 +21,6 @@ background mode, the next batch slowed by the write beside it on the same cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,7 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import report, run_ranks  # this script's folder is on sys.path
+from _launch import (  # this script's folder is on sys.path
+    llama_config,
+    model_options,
+    report,
+    run_ranks,
+    write_results,
+)
 from trainer_stall import summarize
 
 MODES = ["lightning", "disabled", "async", "async_with_pinned_mem"]
@@ -43,15 +48,11 @@ def _one(mode: str, opts: argparse.Namespace, folder: Path) -> dict:
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy as LightningOwn
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from dcpkit.integrations.lightning import DcpCheckpointIO, ModelParallelStrategy
 
-    config = LlamaConfig(
-        vocab_size=opts.vocab, hidden_size=opts.dim, intermediate_size=opts.dim * 8 // 3,
-        num_hidden_layers=opts.layers, num_attention_heads=opts.dim // 64,
-        num_key_value_heads=opts.dim // 64, max_position_embeddings=64,
-    )  # fmt: skip
+    config = llama_config(opts)
     ends: list[float] = []
     calls: list[float] = []  # the time in each strategy.save_checkpoint (the save itself)
 
@@ -120,13 +121,9 @@ def _ranks(opts: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=16000)
+    p = model_options(__doc__, dim=512, layers=4, vocab=16000)
     p.add_argument("--steps", type=int, default=26)
     p.add_argument("--every", type=int, default=3)
-    p.add_argument("--json", default="")
     p.add_argument("--_root", default="", help=argparse.SUPPRESS)
     opts = p.parse_args()
     if opts._root:
@@ -151,14 +148,7 @@ def main() -> None:
         name = "Lightning's own (DCP, sync)" if mode == "lightning" else f"dcpkit {mode}"
         print(f"{name:<30}{r['stall_s']:>14.2f} s{r['save_call_s']:>16.2f} s"
               f"{r['step_s']:>13.2f} s{r['total_s']:>9.1f} s")  # fmt: skip
-    if opts.json:
-        keys = ("dim", "layers", "vocab", "steps", "every")
-        record = {
-            "command": "python benchmarks/lightning_stall.py " + " ".join(sys.argv[1:]),
-            "options": {k: getattr(opts, k) for k in keys},
-            "results": results,
-        }
-        Path(opts.json).write_text(json.dumps(record, indent=2) + "\n")
+    write_results(opts, ("dim", "layers", "vocab", "steps", "every"), results)
 
 
 if __name__ == "__main__":

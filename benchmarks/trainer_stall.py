@@ -25,12 +25,16 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _launch import forked  # this script's folder is on sys.path
+from _launch import (  # this script's folder is on sys.path
+    forked,
+    llama_config,
+    model_options,
+    write_results,
+)
 
 MODES = ["trainer", "disabled", "async", "async_with_pinned_mem"]
 
@@ -61,7 +65,6 @@ def _one(mode: str, opts: argparse.Namespace, out: Path, result: Path) -> None:
     """One Trainer run in this process; its step intervals and save steps to ``result``."""
     import torch
     from transformers import (
-        LlamaConfig,
         LlamaForCausalLM,
         Trainer,
         TrainerCallback,
@@ -91,11 +94,7 @@ def _one(mode: str, opts: argparse.Namespace, out: Path, result: Path) -> None:
         pass
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=opts.vocab, hidden_size=opts.dim, intermediate_size=opts.dim * 8 // 3,
-        num_hidden_layers=opts.layers, num_attention_heads=opts.dim // 64,
-        num_key_value_heads=opts.dim // 64, max_position_embeddings=64,
-    )  # fmt: skip
+    config = llama_config(opts)
     model = LlamaForCausalLM(config)
     args = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=2, max_steps=opts.steps,
@@ -138,13 +137,9 @@ def summarize(raw: dict, every: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dim", type=int, default=768)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--vocab", type=int, default=16000)
+    p = model_options(__doc__, dim=768, layers=6, vocab=16000)
     p.add_argument("--steps", type=int, default=26)
     p.add_argument("--every", type=int, default=3)
-    p.add_argument("--json", default="")
     p.add_argument("--_mode", default="", help=argparse.SUPPRESS)
     p.add_argument("--_out", default="", help=argparse.SUPPRESS)
     opts = p.parse_args()
@@ -168,14 +163,7 @@ def main() -> None:
     for mode, r in results.items():
         name = "Trainer's own save" if mode == "trainer" else f"dcpkit {mode}"
         print(f"{name:<30}{r['stall_s']:>14.2f} s{r['step_s']:>20.2f} s{r['total_s']:>10.1f} s")
-    if opts.json:
-        keys = ("dim", "layers", "vocab", "steps", "every")
-        record = {
-            "command": "python benchmarks/trainer_stall.py " + " ".join(sys.argv[1:]),
-            "options": {k: getattr(opts, k) for k in keys},
-            "results": results,
-        }
-        Path(opts.json).write_text(json.dumps(record, indent=2) + "\n")
+    write_results(opts, ("dim", "layers", "vocab", "steps", "every"), results)
 
 
 if __name__ == "__main__":

@@ -317,6 +317,18 @@ def read_manifest(step_folder: Path) -> dict:
     return json.loads((step_folder / "dcpkit.json").read_text())
 
 
+def assert_base_linked(folder: Path, ranks: int) -> None:
+    """A LoRA run's checkpoint ``folder``: its frozen base written once, by the first save kept,
+    every later step with the full state linking each rank's file of it (the same inode), at
+    least 3 steps. (A model-only last save is the run's export: its ranks split the model's
+    entries differently, and it writes them.)"""
+    full = [s for s in folder.glob("step-*") if read_manifest(s)["groups"] != ["model"]]
+    frozen = {s.name: {f.name: f.stat().st_ino for f in s.glob("__*_10000.distcp")} for s in full}
+    first = next(iter(frozen.values()))
+    assert len(frozen) >= 3 and sorted(first) == [f"__{r}_10000.distcp" for r in range(ranks)]
+    assert all(files == first for files in frozen.values()), frozen
+
+
 # --- a real S3-compatible server on loopback ------------------------------------------------
 
 BUCKET = "dcpkit-test"

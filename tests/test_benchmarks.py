@@ -233,6 +233,27 @@ def test_stall_benchmark_small_and_its_docs_table(script, own, tmp_path):
         assert row in page, row
 
 
+def test_frozen_base_benchmark_and_its_docs_table(tmp_path):
+    """A LoRA fine-tune's saves at the benchmark's own size: with the base linked, each later
+    save writes at most 1.1x the trainable state's bytes (adapters and AdamW's moments);
+    without, at least the base's bytes; the first save writes everything either way. The
+    library page's table is the committed results file's figures."""
+    out = tmp_path / "frozen.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "frozen_base.py"), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    linked, written = (json.loads(out.read_text())["results"][k] for k in ("linked", "written"))
+    assert linked["save_bytes"] <= 1.1 * linked["trainable_state_bytes"], linked
+    assert written["save_bytes"] >= written["frozen_bytes"] + written["trainable_state_bytes"]
+    assert linked["first_save_bytes"] >= linked["frozen_bytes"] + linked["trainable_state_bytes"]
+    assert f"{linked['save_bytes'] / 2**20:.2f} MiB" in proc.stdout
+    committed = json.loads((ROOT / "benchmarks" / "results" / "frozen_base.json").read_text())
+    page = (ROOT / "docs" / "library.md").read_text()
+    for r in committed["results"].values():
+        ratio = r["save_bytes"] / r["trainable_state_bytes"]
+        assert f"| {r['save_bytes'] / 2**20:.2f} MiB | {ratio:.2f}x | {r['save_s']:.3f} s |" in page
+
+
 def test_the_pages_figures_come_from_their_results_files():
     """Every marked figures block of README.md and docs/*.md is what its results file gives
     (``benchmarks/figures.py``); one digit changed fails the check, naming the block; each

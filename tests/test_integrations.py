@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, cli, run_python, run_ranks, torchrun_env
+from conftest import ROOT, assert_base_linked, cli, run_python, run_ranks, torchrun_env
 
 pytestmark = pytest.mark.dist
 
@@ -73,12 +73,13 @@ def test_accelerate_stopped_and_resumed_equals_uninterrupted(accelerate_full, tm
 
 def test_accelerate_lora_fine_tune_stopped_and_resumed_equals_uninterrupted(tmp_path):
     """The Accelerate example fine-tuning PEFT LoRA adapters (the base frozen, the optimizer
-    given the adapters only): stopped mid-epoch and resumed, every loss the uninterrupted
-    run's, bit for bit."""
+    given the adapters only; the base written once, linked by every later step): stopped
+    mid-epoch and resumed, every loss the uninterrupted run's, bit for bit."""
     lora = {"LORA": "1"}
     (tmp_path / "full").mkdir()
     full = run_example(tmp_path / "full", "accelerate_loop.py", env=lora)
     assert sorted(full) == list(range(1, 17))
+    assert_base_linked(tmp_path / "full" / "outputs" / "accelerate" / "checkpoint", 2)
     stopped = run_example(tmp_path, "accelerate_loop.py", "10", env=lora)
     assert all(stopped[s] == full[s] for s in stopped) and sorted(stopped) == list(range(1, 11))
     assert_resumed(full, run_example(tmp_path, "accelerate_loop.py", env=lora), 11)

@@ -193,6 +193,73 @@ def test_load_step(tmp_path):
         _manager(tmp_path, model2, opt2, sched2, counter2, load_step=3).load()
 
 
+def test_a_frozen_base_is_written_once_and_linked_only_when_it_is_still_the_same(tmp_path):
+    """The model's frozen parameters (a LoRA run's base) go to a file of their own, written by
+    the first save and linked (same inode) by the next ones; every step verifies and loads
+    alone, an earlier one deleted. Each claim the link rests on is checked, never assumed: a
+    frozen tensor changed in place, the previous step's file replaced by another (the same
+    bytes), the previous step deleted: each time the base is written again and the step holds
+    the values of the moment. With ``link_frozen = false`` every save writes it."""
+    import shutil
+
+    from dcpkit.tools.verify import verify_path
+
+    def frozen_model(seed=0):
+        model, _, _, counter = _setup(seed)
+        for name, p in model.named_parameters():
+            p.requires_grad_("norm" in name)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), counter
+
+    def base(step, root=tmp_path):
+        return root / "checkpoint" / f"step-{step}" / "__0_10000.distcp"
+
+    def run(root, link):
+        model, opt, sched, counter = frozen_model()
+        cfg = CheckpointConfig(
+            enable=True, interval=1, keep_latest_k=0, last_save_model_only=False, link_frozen=link
+        )  # fmt: skip
+        mgr = CheckpointManager(cfg, root, model=model, optimizer=opt, lr_scheduler=sched)
+        _train(model, opt, sched, counter, 3, mgr)  # saves 1, 2, 3
+        return model, mgr
+
+    model, mgr = run(tmp_path, True)
+    assert len({base(s).stat().st_ino for s in (1, 2, 3)}) == 1 and base(1).stat().st_nlink == 3
+    frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
+    others = [f for f in base(3).parent.iterdir() if f != base(3)]
+    assert base(1).stat().st_size >= frozen > 4 * sum(f.stat().st_size for f in others)
+    with torch.no_grad():
+        model.tok_embeddings.weight.mul_(2)  # frozen, changed in place
+    mgr.save(4, force=True)
+    data = base(4).read_bytes()
+    base(4).unlink()
+    base(4).write_bytes(data)  # the same bytes in another file: step 4 still verifies
+    mgr.save(5, force=True)
+    shutil.rmtree(base(5).parent)  # the previous step deleted
+    mgr.save(6, force=True)
+    mgr.close()
+    inodes = [base(s).stat().st_ino for s in (1, 4, 6)]
+    assert len(set(inodes)) == 3 and all(base(s).stat().st_nlink == 1 for s in (4, 6))
+    shutil.rmtree(base(1).parent)
+    for step in (2, 3, 4, 6):
+        assert verify_path(base(step).parent).ok, step
+    for step, doubled in ((3, False), (6, True)):
+        loaded, opt, sched, _ = frozen_model(seed=1)
+        cfg = CheckpointConfig(enable=True, load_step=step)
+        with CheckpointManager(
+            cfg, tmp_path, model=loaded, optimizer=opt, lr_scheduler=sched
+        ) as again:
+            again.load()
+        weight = loaded.tok_embeddings.weight
+        assert torch.equal(weight, model.tok_embeddings.weight) == doubled, step
+        assert torch.equal(weight * (1 if doubled else 2), model.tok_embeddings.weight)
+    run(tmp_path / "unlinked", False)[1].close()
+    for step in (1, 2, 3):  # the base in the step's own files, every time
+        folder = base(step, tmp_path / "unlinked").parent
+        assert not base(step, tmp_path / "unlinked").exists()
+        assert sum(f.stat().st_size for f in folder.glob("*.distcp")) > frozen
+
+
 def test_when_it_saves():
     cfg = CheckpointConfig(enable=True, interval=5, enable_first_step_checkpoint=True)
     model = build_model("llama3", "debugmodel", max_seq_len=8, n_layers=1)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, cli, run_ranks
+from conftest import ROOT, assert_base_linked, cli, run_ranks
 
 
 def trainer_run(out, *args: str, env: dict[str, str] | None = None, ok: bool = True, cwd=None):
@@ -275,13 +275,15 @@ def test_a_lora_fine_tune_under_trl_resumes_bitwise(tmp_path):
 
 
 def _lora_stopped_and_resumed(tmp_path: Path, lora: dict[str, str]) -> tuple[Path, list[str]]:
-    """The example with ``lora``'s settings run through, and stopped after step 9 (its step 9
+    """The example with ``lora``'s settings run through (its frozen base written once, each
+    rank's file of it linked by every later step), and stopped after step 9 (its step 9
     holding the adapters) then resumed: every micro-batch loss the uninterrupted run's. Returns
     the stopped run's folder and step 9's keys."""
     from dcpkit.formats.dcp import DCPCheckpoint
 
     full, _ = trainer_run(tmp_path / "full", env=lora)
     assert len(full) == 2 * 14 * 2
+    assert_base_linked(tmp_path / "full" / "checkpoint", 2)
     out = tmp_path / "stopped"
     first, _ = trainer_run(out, "9", env=lora)
     with DCPCheckpoint(out / "checkpoint" / "step-9") as step:

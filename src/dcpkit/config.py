@@ -48,6 +48,10 @@ class CheckpointConfig:
     """disabled, async or async_with_pinned_mem (case-insensitive)."""
     keep_latest_k: int = 10
     """Published checkpoints kept; 0 keeps all; 1 is refused (the newest may be in flight)."""
+    link_frozen: bool = True
+    """Frozen parameters (``requires_grad`` False: a LoRA run's base model) are written once per
+    run: a later save whose frozen parameters did not change links their files from the save
+    before it (local folders; hard links) instead of writing them again."""
     load_step: int = -1
     """Step to load; -1 loads the latest published step."""
     exclude_from_loading: list[str] = field(default_factory=list)

@@ -22,6 +22,7 @@ from dcpkit import dist
 from dcpkit.config import CheckpointConfig
 from dcpkit.console import summary
 from dcpkit.engine import load as load_plan
+from dcpkit.engine import save as saving
 from dcpkit.engine.folders import check_folders, check_unused
 from dcpkit.engine.lease import check_free, check_lease, release_folder, take_lease
 from dcpkit.engine.memory_tier import MemoryTier
@@ -29,7 +30,6 @@ from dcpkit.engine.policy import should_save
 from dcpkit.engine.preempt import Preemption
 from dcpkit.engine.publish import StepInfo, write_and_publish
 from dcpkit.engine.restore import HFCodec, restore
-from dcpkit.engine.save import Saver, check_config, check_replacement, collect, mesh_info
 from dcpkit.engine.states import ModelState, Stateful, check_same_on_every_rank, collect_states
 from dcpkit.engine.together import read_held
 from dcpkit.errors import CheckpointError
@@ -69,7 +69,7 @@ class CheckpointManager:
             model, optimizer, lr_scheduler, dataloader, states, per_rank_states
         )
         self.save_rng = save_rng
-        check_config(config, self.state_names(), hf_model, self.model)
+        saving.check_config(config, self.state_names(), hf_model, self.model)
         self.rank, self.world_size = dist.rank(), dist.world_size()
         self.last_saved_step: int | None = None
         self.loaded_step: int | None = None
@@ -90,7 +90,7 @@ class CheckpointManager:
         )
         if failed:
             raise CheckpointError(f"{self.folder}: removing what interrupted saves left: {failed}")
-        self._saver = Saver(config.async_mode) if writes else None
+        self._saver = saving.Saver(config.async_mode) if writes else None
         self._async = self._saver.async_ckpt if self._saver is not None else None
         self._preempt = (
             Preemption(config.emergency_timeout_s) if writes and config.emergency_save else None
@@ -203,7 +203,7 @@ class CheckpointManager:
         if self._saver is None or not self.should_save(step, last_step, force):
             if self._memory is not None and self._memory.due(step):
                 state = self.collect()
-                self._memory.save(step, state, self.state_names(), mesh_info(self.model))
+                self._memory.save(step, state, self.state_names(), saving.mesh_info(self.model))
                 self.last_memory_step = step
             return False
         if not self._leased:  # every rank: rank 0 holds the lease, the others know it is held
@@ -212,10 +212,11 @@ class CheckpointManager:
         check_lease(self._lease)
         model_only = last_step and self.config.last_save_model_only
         info = self._step_info(step, model_only)
-        check_replacement(info, self._resumed_from)
+        saving.check_replacement(info, self._resumed_from)
         state = self.collect(model_only=model_only)
         if not model_only:  # every value loadable, and the same on every rank unless per-rank
             check_same_on_every_rank(self.states, state)
+        info.frozen = saving.frozen_entries(self.model, state, self.config.link_frozen)
         start = time.perf_counter()
         if self._saver.async_ckpt is not None and not (last_step or force):
             self._saver.save_async(state, info)
@@ -243,17 +244,15 @@ class CheckpointManager:
 
     def save_seed_checkpoint(self) -> Path:
         """Save the model alone as step 0 (``create_seed_checkpoint``), in its own dtype."""
-        state = collect(self.model, {}, rng=False, model_only=True)
+        state = saving.collect(self.model, {}, rng=False, model_only=True)
         write_and_publish(self._step_info(0, model_only=True), state)
         self.last_saved_step = 0
         return Path(self.step_path(0))
 
     def collect(self, model_only: bool = False) -> dict[str, Any]:
         """The state dict to write, in TorchTitan's top-level layout."""
-        dtype = self.config.export_dtype
-        return collect(
-            self.model, self.states, rng=self.save_rng, model_only=model_only, dtype=dtype
-        )
+        dtype, rng = self.config.export_dtype, self.save_rng
+        return saving.collect(self.model, self.states, rng=rng, model_only=model_only, dtype=dtype)
 
     def _step_info(self, step: int, model_only: bool) -> StepInfo:
         return StepInfo(
@@ -262,7 +261,7 @@ class CheckpointManager:
             groups=[MODEL] if model_only else self.state_names(),
             keep_latest_k=self.config.keep_latest_k,
             dtype=self.config.export_dtype if model_only else None,
-            mesh=mesh_info(self.model),
+            mesh=saving.mesh_info(self.model),
             retry_s=self.config.storage_retry_s,
             previous=self.last_saved_step,
             model=self.hf_model.record() if hasattr(self.hf_model, "record") else None,

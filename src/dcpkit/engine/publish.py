@@ -58,6 +58,9 @@ class StepInfo:
     """The name it is published under; None: ``step-N`` (a framework names its own)."""
     best: int | None = None
     """A step retention keeps beside the newest (the Trainer's best model): ``steps_to_delete``."""
+    frozen: dict[str, str] | None = None
+    """Frozen entries (parameters that do not train) -> a token that changes with the tensor: a
+    store that can links them from this process's previous save (``storage/frozen.py``)."""
 
 
 @dataclass
@@ -126,6 +129,8 @@ def _write_once(
     _raise_if(dist.broadcast_object(failure, group=group))
     try:
         writer = pending.dcp_writer()
+        if info.frozen and hasattr(writer, "frozen"):
+            writer.frozen = info.frozen
         if planner is not None:  # a save planned from the ranks' layout needs the writer's
             planner.streams = getattr(writer, "streams_metadata", False)
         with dist.quiet_single_process():

@@ -65,6 +65,31 @@ def collect(
     return state
 
 
+def frozen_entries(
+    model: ModelState, state: dict[str, Any], link: bool = True
+) -> dict[str, str] | None:
+    """The entries of ``state`` that are frozen parameters of ``model`` (``requires_grad``
+    False: a LoRA run's base), each with a token that changes whenever the tensor does (its
+    storage, and the version counter every in-place change bumps); None when there are none
+    (or not ``link``: ``[checkpoint] link_frozen = false``)."""
+    if not link:
+        return None
+    frozen: set[int] = set()
+    for part in model.parts:
+        for p in part.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if not p.requires_grad and local.numel():
+                frozen.add(local.data_ptr())
+    if not frozen:
+        return None
+    out = {}
+    for key, value in state.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if torch.is_tensor(local) and local.numel() and local.data_ptr() in frozen:
+            out[key] = f"{local.data_ptr()}:{local._version}:{tuple(local.shape)}:{local.dtype}"
+    return out or None
+
+
 def mesh_info(model: ModelState) -> dict[str, Any] | None:
     for part in model.parts:
         for p in part.parameters():

@@ -50,6 +50,7 @@ from dcpkit.storage.base import (
     PendingStep,
     own_files_of,
 )
+from dcpkit.storage.frozen import FrozenFiles
 from dcpkit.storage.writer import CrashPointWriter
 
 SafeFileSystemReader = safe_reader(FileSystemReader)
@@ -60,9 +61,10 @@ FILE_SHARE = 256 << 20
 """Bytes of a rank's share per data file (and writer thread) of a large save."""
 
 
-class StepFileWriter(CrashPointWriter, FileSystemWriter):
+class StepFileWriter(CrashPointWriter, FrozenFiles, FileSystemWriter):
     """DCP's file system writer, with the ``mid_write`` crash point; with ``digests``, each
-    file's checksum is computed on its bytes as they are written."""
+    file's checksum is computed on its bytes as they are written; with ``final`` (the folder it
+    is published as), frozen entries are linked from this process's previous save."""
 
     def __init__(
         self,
@@ -70,9 +72,10 @@ class StepFileWriter(CrashPointWriter, FileSystemWriter):
         step: int | None,
         kill_pid: int | None = None,
         digests: dict[str, tuple[str, int]] | None = None,
+        final: Path | None = None,
     ) -> None:
         super().__init__(str(path))
-        self._step, self._kill_pid = step, kill_pid
+        self._step, self._kill_pid, self.final = step, kill_pid, final
         if digests is not None:
             self.fs = HashingFileSystem(digests)
 
@@ -320,7 +323,7 @@ class LocalPending(PendingStep):
             self.tmp.mkdir()
 
     def dcp_writer(self) -> Any:
-        return StepFileWriter(self.tmp, self.step, self.kill_pid, self.digests)
+        return StepFileWriter(self.tmp, self.step, self.kill_pid, self.digests, self.final)
 
     def scratch(self) -> Path:
         return self.tmp
