@@ -12,8 +12,8 @@ whole checkpoint on its own: deleting one leaves the others' links; its manifest
 linked files with their sizes and checksums, as any other.
 
 What is linked is checked, never assumed: the file must still be the one this process wrote or
-linked (same inode and size) in the folder its last save published; anything else (a step
-deleted or replaced since, a failed save) writes the entries again.
+linked (same inode, size and modification time) in the folder its last save published;
+anything else (a step deleted or replaced since, a failed save) writes the entries again.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class _Written:
     tokens: dict[str, str]
     items: list[tuple[Any, ...]]
     results: list[Any]
-    files: dict[str, tuple[int, int, str]]  # name -> (inode, size, digest)
+    files: dict[str, tuple[tuple[int, int, int], str]]  # name -> ((inode, size, mtime), digest)
     folder: Path  # where the save that holds them is published
 
 
@@ -91,12 +91,11 @@ class FrozenFiles:
         if last is None or last.tokens != tokens or last.items != items:
             return None
         here = Path(self.path)  # type: ignore[attr-defined]
-        for name, (inode, size, _) in last.files.items():
+        for name, (identity, _) in last.files.items():
             try:
-                st = os.stat(last.folder / name)
+                if _identity(os.stat(last.folder / name)) != identity:
+                    return None
             except OSError:
-                return None
-            if st.st_ino != inode or st.st_size != size:
                 return None
         linked = []
         try:
@@ -109,10 +108,10 @@ class FrozenFiles:
             return None
         digests = getattr(getattr(self, "fs", None), "digests", None)
         if digests is not None:  # the manifest takes their checksums as written
-            digests.update({name: (digest, size) for name, (_, size, digest) in last.files.items()})
+            digests.update({n: (digest, ident[1]) for n, (ident, digest) in last.files.items()})
         logger.info(
             "checkpoint: %s of frozen entries linked from %s, not written again",
-            human_bytes(sum(size for _, size, _ in last.files.values())),
+            human_bytes(sum(ident[1] for ident, _ in last.files.values())),
             last.folder,
         )
         return list(last.results)
@@ -127,9 +126,14 @@ class FrozenFiles:
             if size != st.st_size:  # not hashed as written: nothing to reuse it by
                 _last.pop(key, None)
                 return
-            files[name] = (st.st_ino, st.st_size, digest)
+            files[name] = (_identity(st), digest)
         assert self.final is not None
         _last[key] = _Written(dict(tokens), items, results, files, self.final)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells the file written from another one put in its place: inode, size, mtime."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _item_key(item: Any) -> tuple[Any, ...]:
