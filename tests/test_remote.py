@@ -282,3 +282,52 @@ def test_retention_on_s3_removes_a_step_completely_and_list_never_calls_it_aband
     with CheckpointManager(cfg, ".", torch.nn.Linear(4, 4)) as mgr:
         assert mgr.load() == 4
     assert "step-3" not in store.list_names()
+
+
+def test_a_frozen_base_on_s3_is_uploaded_once_then_copied_by_the_store(s3, caplog):
+    """A model whose first layer is frozen (a LoRA run's base), saved to S3 (SeaweedFS): the
+    first save uploads the frozen file, the next ones have the store copy it into their step
+    (no byte of it uploaded, said in the log), each step whole on its own (verified, loaded
+    after the first is deleted); a frozen tensor changed in place is uploaded anew."""
+    import logging
+
+    import torch
+
+    from dcpkit import CheckpointConfig, CheckpointManager
+    from dcpkit.tools.verify import verify_path
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+        m[0].requires_grad_(False)
+        return m
+
+    url = f"s3://{BUCKET}/frozen/checkpoint"
+    cfg = CheckpointConfig(enable=True, folder=url, interval=1, keep_latest_k=0)
+    trained = model()
+    with (
+        caplog.at_level(logging.INFO, logger="dcpkit"),
+        CheckpointManager(cfg, ".", trained) as mgr,
+    ):
+        for step in (1, 2, 3):
+            mgr.save(step)
+        with torch.no_grad():
+            trained[0].weight.add_(1)  # frozen, changed in place
+        mgr.save(4)
+    linked = [r.getMessage() for r in caplog.records if "not written again" in r.getMessage()]
+    assert len(linked) == 2 and all("frozen/checkpoint/step-" in x for x in linked), linked
+    s3.invalidate_cache()
+    frozen = {
+        s: s3.cat(f"{BUCKET}/frozen/checkpoint/step-{s}/__0_10000.distcp") for s in range(1, 5)
+    }
+    assert frozen[1] == frozen[2] == frozen[3] != frozen[4]
+    s3.rm(f"{BUCKET}/frozen/checkpoint/step-1", recursive=True)
+    for step in (2, 3, 4):
+        assert verify_path(f"{url}/step-{step}").ok, step
+    for step, changed in ((3, False), (4, True)):
+        loaded = model()
+        with CheckpointManager(CheckpointConfig(enable=True, folder=url, load_step=step), ".",
+                               loaded) as mgr:  # fmt: skip
+            mgr.load()
+        assert torch.equal(loaded[0].weight, trained[0].weight) == changed
+        assert torch.equal(loaded[0].weight + (0 if changed else 1), trained[0].weight)

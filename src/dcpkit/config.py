@@ -51,7 +51,7 @@ class CheckpointConfig:
     link_frozen: bool = True
     """Frozen parameters (``requires_grad`` False: a LoRA run's base model) are written once per
     run: a later save whose frozen parameters did not change links their files from the save
-    before it (local folders; hard links) instead of writing them again."""
+    before it (a hard link; on S3, a copy the store makes) instead of writing them again."""
     load_step: int = -1
     """Step to load; -1 loads the latest published step."""
     exclude_from_loading: list[str] = field(default_factory=list)

@@ -333,6 +333,7 @@ class FsspecPending(PendingStep):
         writer = step_writer(store.location(self.name), store.storage_options, self.step)
         writer._kill_pid = self.kill_pid
         writer.fs = upload_file_system(store.fs, store.transport, self.digests)
+        writer.digests = self.digests
         return writer
 
     def scratch(self) -> Path:

@@ -75,7 +75,8 @@ class StepFileWriter(CrashPointWriter, FrozenFiles, FileSystemWriter):
         final: Path | None = None,
     ) -> None:
         super().__init__(str(path))
-        self._step, self._kill_pid, self.final = step, kill_pid, final
+        self._step, self._kill_pid, self.digests = step, kill_pid, digests
+        self.final = None if final is None else str(final)
         if digests is not None:
             self.fs = HashingFileSystem(digests)
 
