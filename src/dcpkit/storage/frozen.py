@@ -142,15 +142,19 @@ class FrozenFiles:
         return list(last.results)
 
     def _remember(self, key: tuple[str, str], tokens: dict, items: list, results: list) -> None:
+        """What the next save needs to link the files just written (nothing, when a file
+        cannot be told: that save writes them again)."""
+        _last.pop(key, None)
         files = {}
         for name in sorted({r.storage_data.relative_path for r in results}):
             digest, size = (self.digests or {}).get(name, ("", -1))
-            identity = self.frozen_identity(self.frozen_here(), name)
+            try:
+                identity = self.frozen_identity(self.frozen_here(), name)
+            except Exception:
+                return
             if size < 0:  # not hashed as written: nothing to reuse it by
-                _last.pop(key, None)
                 return
             files[name] = (identity, size, digest)
-        assert self.final is not None
         _last[key] = _Written(dict(tokens), items, results, files, str(self.final))
 
 
