@@ -56,6 +56,8 @@ class DcpkitCheckpointManager(BaseCheckpointManager):
         """Check every file's size and checksum before loading (the ranks split the work)."""
         fallback_on_corruption: bool = False
         """When the latest checkpoint fails verification, load the newest one that passes."""
+        link_frozen: bool = True
+        """Frozen parameters written once per run, later saves linking them."""
         lease_timeout_s: float = 60.0
         """The run's lease on its folder: another run takes it over after this long."""
         storage_retry_s: float = 120.0
