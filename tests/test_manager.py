@@ -197,7 +197,8 @@ def test_a_frozen_base_is_written_once_and_linked_only_when_it_is_still_the_same
     """The model's frozen parameters (a LoRA run's base) go to a file of their own, written by
     the first save and linked (same inode) by the next ones; every step verifies and loads
     alone, an earlier one deleted. Each claim the link rests on is checked, never assumed: a
-    frozen tensor changed in place, the previous step's file replaced by another (the same
+    frozen tensor changed in place through ``.data`` (its version counter unchanged), the
+    previous step's file replaced by another (the same
     bytes), the previous step deleted: each time the base is written again and the step holds
     the values of the moment. With ``link_frozen = false`` every save writes it."""
     import shutil
@@ -228,9 +229,11 @@ def test_a_frozen_base_is_written_once_and_linked_only_when_it_is_still_the_same
     frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
     others = [f for f in base(3).parent.iterdir() if f != base(3)]
     assert base(1).stat().st_size >= frozen > 4 * sum(f.stat().st_size for f in others)
-    with torch.no_grad():
-        model.tok_embeddings.weight.mul_(2)  # frozen, changed in place
+    version = model.tok_embeddings.weight._version
+    model.tok_embeddings.weight.data.mul_(2)  # frozen, changed through .data (an EMA update's way)
+    assert model.tok_embeddings.weight._version == version  # which no version counter sees
     mgr.save(4, force=True)
+    assert base(4).stat().st_ino != base(3).stat().st_ino  # written, not linked
     data = base(4).read_bytes()
     base(4).unlink()
     base(4).write_bytes(data)  # the same bytes in another file: step 4 still verifies
@@ -243,7 +246,7 @@ def test_a_frozen_base_is_written_once_and_linked_only_when_it_is_still_the_same
     shutil.rmtree(base(1).parent)
     for step in (2, 3, 4, 6):
         assert verify_path(base(step).parent).ok, step
-    for step, doubled in ((3, False), (6, True)):
+    for step, doubled in ((3, False), (4, True), (6, True)):
         loaded, opt, sched, _ = frozen_model(seed=1)
         cfg = CheckpointConfig(enable=True, load_step=step)
         with CheckpointManager(

@@ -59,7 +59,7 @@ class StepInfo:
     best: int | None = None
     """A step retention keeps beside the newest (the Trainer's best model): ``steps_to_delete``."""
     frozen: dict[str, str] | None = None
-    """Frozen entries (parameters that do not train) -> a token that changes with the tensor: a
+    """Frozen entries (parameters that do not train) -> a token of their content: a
     store that can links them from this process's previous save (``storage/frozen.py``)."""
 
 

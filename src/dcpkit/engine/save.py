@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.tensor import DTensor
 
 from dcpkit import dist
@@ -69,9 +70,10 @@ def frozen_entries(
     model: ModelState, state: dict[str, Any], link: bool = True
 ) -> dict[str, str] | None:
     """The entries of ``state`` that are frozen parameters of ``model`` (``requires_grad``
-    False: a LoRA run's base), each with a token that changes whenever the tensor does (its
-    storage, and the version counter every in-place change bumps); None when there are none
-    (or not ``link``: ``[checkpoint] link_frozen = false``)."""
+    False: a LoRA run's base), each with a token of its shape, dtype and content, which changes
+    whenever the tensor does: a version counter would not (a write through ``.data``, as an EMA
+    update may make, leaves it as it was). None when there are none (or not ``link``:
+    ``[checkpoint] link_frozen = false``)."""
     if not link:
         return None
     frozen: set[int] = set()
@@ -83,11 +85,27 @@ def frozen_entries(
     if not frozen:
         return None
     out = {}
-    for key, value in state.items():
-        local = value.to_local() if isinstance(value, DTensor) else value
-        if torch.is_tensor(local) and local.numel() and local.data_ptr() in frozen:
-            out[key] = f"{local.data_ptr()}:{local._version}:{tuple(local.shape)}:{local.dtype}"
+    with torch.no_grad():
+        for key, value in state.items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if torch.is_tensor(local) and local.numel() and local.data_ptr() in frozen:
+                out[key] = f"{tuple(local.shape)}:{local.dtype}:{_content(local)}"
     return out or None
+
+
+def _content(t: torch.Tensor) -> str:
+    """A fingerprint of ``t``'s bytes: xxh3-64 of its memory on the CPU; on a device, three sums
+    over its 32-bit words (plain, squared, position-weighted) computed there, in chunks."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.device.type == "cpu":
+        return xxhash.xxh3_64_hexdigest(flat.numpy())
+    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat.to(torch.int32)
+    sums = torch.zeros(3, dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), 1 << 24):
+        chunk = words[start : start + (1 << 24)].to(torch.int64)
+        where = torch.arange(start, start + chunk.numel(), device=flat.device)
+        sums += torch.stack([chunk.sum(), (chunk * chunk).sum(), (chunk * where).sum()])
+    return ":".join(str(int(x)) for x in sums.tolist())
 
 
 def mesh_info(model: ModelState) -> dict[str, Any] | None:

@@ -3,13 +3,13 @@ previous save of this process wrote, when nothing in it changed.
 
 A LoRA fine-tune's base model (parameters that do not train) is most of its state; written at
 every save it would make each save as large as the base. The engine names the frozen entries of
-a save and a token per entry that changes whenever the tensor does (``StepInfo.frozen``); the
-store's DCP writer then writes those entries into files of their own
-(``__R_10000.distcp``, ... : still rank R's files to every reader) and, at the next save
-with the same entries and tokens, links those files into the new step instead of writing them,
-with the same write results (offsets, lengths) in the step's ``.metadata``. Every step stays a
-whole checkpoint on its own: deleting one leaves the others' links; its manifest lists the
-linked files with their sizes and checksums, as any other.
+a save and a token per entry (its shape, dtype and a fingerprint of its content:
+``StepInfo.frozen``); the store's DCP writer then writes those entries into files of their own
+(``__R_10000.distcp``, ... : still rank R's files to every reader) and, at the next save with
+the same entries and tokens, links those files into the new step instead of writing them, with
+the same write results (offsets, lengths) in the step's ``.metadata``. Every step stays a whole
+checkpoint on its own: deleting one leaves the others' links; its manifest lists the linked
+files with their sizes and checksums, as any other.
 
 On an object store the "link" is a copy the store makes (S3's CopyObject: no byte uploaded).
 What is linked is checked, never assumed: the file must still be the one this process wrote or
