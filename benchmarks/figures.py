@@ -28,6 +28,7 @@ from pathlib import Path
 
 # this script's folder is on sys.path: the renderers of the larger pages are beside it
 from _figures_io import io_speed, io_speed_small, recovery
+from _figures_push import rl_loop, weight_push
 from _figures_scale import (
     metadata_verify,
     planning,
@@ -453,6 +454,10 @@ SOURCES: dict[str, Source] = {
     "trainer_stall": Source(
         "benchmarks/results/trainer_stall.json", "benchmarks/trainer_stall.py", trainer_stall
     ),
+    "weight_push": Source(
+        "benchmarks/results/weight_push.json", "benchmarks/weight_push.py", weight_push
+    ),
+    "rl_loop": Source("benchmarks/results/rl_loop.json", "examples/rl_loop.py", rl_loop),
     "frozen_base": Source(
         "benchmarks/results/frozen_base.json", "benchmarks/frozen_base.py", frozen_base
     ),

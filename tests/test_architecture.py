@@ -111,4 +111,6 @@ def test_every_module_imports():
     for module in MODULES:
         if module.endswith("__main__"):
             continue
+        if module == "dcpkit.push.vllm_engine":  # vLLM's plugin: imported inside an engine,
+            continue  # in the engine's environment (test_push's engines load it there)
         importlib.import_module(module)

@@ -1,23 +1,20 @@
 """Weights pushed into a running vLLM engine (its CPU build, in its own environment: ``make
 vllm-env``): a 2-rank FSDP2 trainer's Llama after each step, served as a fresh engine started on
-the step's Hugging Face export serves it, token for token and logprob for logprob; a trainer
+the step's Hugging Face export serves it, token for token and logprob for logprob (and a step
+pushed from its checkpoint into an engine in the pushing process, the same); a trainer
 killed mid-push leaves the engine on its previous version; an engine killed mid-push fails the
 push on every rank with its name, training goes on, and the restarted engine takes the next.
-One server for the module (its start costs ~25 s)."""
+One server for the module (its start costs ~17 s; benchmarks/_engine.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -27,70 +24,11 @@ from conftest import ROOT, Beside, run_ranks, run_script, run_train
 from dcpkit.models.llama3 import Llama3
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _engine import VLLM_PYTHON, VllmServer, engine_env
 from push_fsdp import ARGS, served
 
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 BUCKET = 1 << 20  # push_fsdp.py's bucket_size
-
-
-def _engine_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
-class Server:
-    """vLLM's OpenAI-compatible server on 127.0.0.1, started from the vLLM environment in a
-    session of its own (killed as a group: the server and its engine process)."""
-
-    def __init__(self, model: Path, log: Path) -> None:
-        self.model, self.log, self.proc = model, log, None
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 240.0) -> None:
-        cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
-               str(self.model), "--served-model-name", "m", "--dtype", "float32",
-               "--enforce-eager", "--max-model-len", "256", "--host", "127.0.0.1",
-               "--distributed-executor-backend", "uni",
-               "--port", str(self.port),
-               "--weight-transfer-config", '{"backend": "dcpkit_gloo"}']  # fmt: skip
-        self.proc = subprocess.Popen(cmd, env=_engine_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        sink = open(self.log, "ab")  # noqa: SIM115 (closed by the copying thread)
-        selector = selectors.DefaultSelector()
-        selector.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout  # bounds a hang; the wait is on the log line
-        while True:
-            if not selector.select(max(0.0, deadline - time.monotonic())):
-                self.stop()
-                pytest.fail(f"the vLLM server did not start in {timeout:.0f} s: {self.log}")
-            line = self.proc.stdout.readline()
-            sink.write(line)
-            if not line:
-                pytest.fail(f"the vLLM server exited at start: {self.log.read_text()[-3000:]}")
-            if b"Application startup complete" in line:
-                break
-        selector.close()
-        threading.Thread(target=self._copy, args=(self.proc.stdout, sink), daemon=True).start()
-
-    @staticmethod
-    def _copy(source, sink) -> None:
-        with sink:
-            for line in source:
-                sink.write(line)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -113,24 +51,25 @@ def engine(tmp_path_factory):
              no_dist=True)  # fmt: skip
     to_hf(base / "initial", base / "initial-hf", family="llama3", flavor=ARGS,
           tokenizer=str(base / "tokenizer.json"))  # fmt: skip
-    server = Server(base / "initial-hf", base / "server.log")
+    server = VllmServer(base / "initial-hf", base / "server.log")
     server.start()
     server.tokenizer = base / "tokenizer.json"
     yield server
-    server.stop()
+    server.kill()
 
 
-def _run_dir(tmp_path: Path, engine: Server) -> Path:
+def _run_dir(tmp_path: Path, engine: VllmServer) -> Path:
     shutil.copy(engine.tokenizer, tmp_path / "tokenizer.json")
     return tmp_path
 
 
-def _fresh(folders: list[Path], out: Path) -> list[dict]:
-    """What a fresh engine on each folder answers (tests/scripts/vllm_fresh.py)."""
+def _fresh(folders: list[Path], out: Path, *push: str) -> list[dict]:
+    """What a fresh engine on each folder answers (tests/scripts/vllm_fresh.py; ``push``:
+    ``--push STEP``, a step pushed into the first one, in its process)."""
     proc = subprocess.run(
         [str(VLLM_PYTHON), str(ROOT / "tests" / "scripts" / "vllm_fresh.py"), str(out),
-         *map(str, folders)],
-        env=_engine_env(), capture_output=True, text=True, timeout=600,
+         *map(str, folders), *push],
+        env=engine_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -153,9 +92,13 @@ def test_a_2_rank_fsdp2_trainer_pushes_each_step_into_a_running_server_exactly(t
     for r in records:
         assert r["buckets"] > 1 and r["largest_bucket"] < BUCKET + largest, r
     assert records[0]["outputs"] != records[1]["outputs"] != records[2]["outputs"]
-    fresh = _fresh(_exports(run, [1, 2, 3]), tmp_path / "fresh.json")
+    step3 = str(run / "checkpoint" / "step-3")
+    fresh = _fresh(_exports(run, [1, 2, 3]), tmp_path / "fresh.json", "--push", step3)
+    pushed = fresh.pop(1)  # step 3 pushed into an in-process engine started on step 1
     for r, f in zip(records, fresh, strict=True):
         assert r["outputs"] == f["outputs"], f"version {r['version']} is not the step's model"
+    assert pushed["version"] == "3" and pushed["buckets"] > 1
+    assert pushed["outputs"] == fresh[2]["outputs"] != fresh[0]["outputs"]
 
 
 def test_a_trainer_killed_mid_push_leaves_the_engine_on_its_previous_version(tmp_path, engine):
@@ -222,3 +165,34 @@ def test_push_follow_beside_a_run_pushes_every_step_once_in_order(tmp_path, engi
     assert "6 step(s) pushed" in printed
     assert sorted(p.name for p in (dump / "checkpoint").glob("step-*")) == ["step-5", "step-6"]
     assert served(engine.url)["version"] == "6"
+
+
+def test_the_rl_example_pushes_after_every_step_and_the_engine_serves_each(tmp_path, engine):
+    """examples/rl_loop.py on 2 ranks against the module's server: rollouts from the engine,
+    a policy-gradient step, a push, 3 times; the engine serves the last step's version."""
+    proc = run_ranks(2, ROOT / "examples" / "rl_loop.py", engine.url, str(tmp_path), "--steps",
+                     "3", "--samples", "2")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads((tmp_path / "rl.json").read_text())
+    assert [r["step"] for r in run["results"]] == [1, 2, 3]
+    assert all(r["push_s"] > 0 and r["generate_s"] > 0 and 0 <= r["reward"] <= 1
+               for r in run["results"])  # fmt: skip
+    assert served(engine.url)["version"] == "3"
+
+
+def test_the_weight_push_benchmark_small_and_its_docs_table(tmp_path):
+    """benchmarks/weight_push.py at its smallest (a tiny Llama, one repeat): a push, a restart
+    and a path reload measured in one run; the push beats a restart; the engine page's table is
+    the committed results file's."""
+    out = tmp_path / "push.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "weight_push.py"), "--shapes", "tiny",
+           "--repeats", "1", "--bucket-size", "1MB", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())["results"]["tiny"]
+    assert r["buckets"] > 1 and r["largest_bucket"] <= max(2**20, r["largest_tensor"])
+    assert r["push_s"] < r["restart_s"]
+    committed = json.loads((ROOT / "benchmarks" / "results" / "weight_push.json").read_text())
+    page = (ROOT / "docs" / "engines.md").read_text()
+    for shape in committed["results"]:
+        assert f"| {shape} (" in page, shape

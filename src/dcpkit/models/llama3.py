@@ -85,11 +85,6 @@ _ROPE_SCALING = {
 
 LLAMA3_FLAVORS: dict[str, Llama3Args] = {
     "debugmodel": Llama3Args(dim=256, n_layers=6, n_heads=16, vocab_size=2048, multiple_of=256),
-    # Not a released size: a debug model whose head size (32) vLLM's CPU attention takes (16,
-    # debugmodel's, it does not), for pushing a run's weights into a vLLM engine on a CPU.
-    "debugmodel_h32": Llama3Args(
-        dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=256
-    ),
     # Not a released size: a model whose training step on a CPU outlasts the copy of its state
     # (192 M parameters, 2.3 GB with AdamW), for measuring what a checkpoint costs a step.
     "200M": Llama3Args(
@@ -142,6 +137,11 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
         n_kv_heads=8,
         ffn_dim_multiplier=1.2,
         multiple_of=4096,
+    ),
+    # Not a released size: a debug model whose head size (32) vLLM's CPU attention takes (16,
+    # debugmodel's, it does not), for pushing a run's weights into a vLLM engine on a CPU.
+    "debugmodel_h32": Llama3Args(
+        dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=256
     ),
 }
 

@@ -2,8 +2,9 @@
 it serves, in buckets of bounded size; the engine swaps the whole version in at the end.
 
 Every trainer rank calls ``push`` (its parameters' shards are gathered a tensor at a time, a
-collective); rank 0 alone talks to the engine. Peak extra memory on rank 0: one bucket, plus the
-tensor being gathered (the largest one bounds it); on other ranks: the tensor being gathered.
+collective); rank 0 alone talks to the engine. Extra memory on rank 0: one bucket (kept from
+push to push: memory faulted in anew costs more than the copy into it), plus the tensor being
+gathered (the largest one bounds it); on other ranks: the tensor being gathered.
 An engine that fails mid-push fails ``push`` on every rank with an ``EngineError`` that names
 it; training goes on, and the next push connects again (an engine restarted is found)."""
 
@@ -40,6 +41,8 @@ class PushResult:
     buckets: int
     largest_bucket: int
     seconds: float
+    swap_s: float = 0.0
+    """Of ``seconds``: the engine's swap (pause, the new version loaded, resume)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -80,6 +83,7 @@ class WeightPusher:
         self.host = host
         self.group: Any = None
         self.pushes = 0
+        self._buffer: torch.Tensor | None = None  # rank 0's bucket, kept from push to push
 
     def push(self, model: Any, version: str | int | None = None) -> PushResult:
         """Send ``model``'s weights (every rank calls it) as ``version`` (default: a count of
@@ -96,19 +100,22 @@ class WeightPusher:
         if self.rank == 0:
             try:
                 self._begin()
-            except BaseException as e:
-                failure = e
+            except Exception as e:
+                failure = self._named(e, "could not start the push")
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name in view.names():
             t = view.read(name)  # a gather every rank takes part in, failed push or not
             if self.rank != 0 or failure is not None:
                 continue
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= self.bucket_bytes:
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > self.bucket_bytes:  # full: out before this one
                 failure = self._send(bucket, result)
                 bucket, size = [], 0
+                if failure is not None:
+                    continue
+            bucket.append((name, t))
+            size += nbytes
         getattr(view.src, "done", lambda: None)()
         if self.rank == 0 and failure is None:
             failure = self._send(bucket, result) if bucket else None
@@ -142,13 +149,14 @@ class WeightPusher:
     def _send(self, bucket: list[tuple[str, torch.Tensor]], result: PushResult) -> Any:
         assert self.engine is not None
         try:
-            buffer, entries = wire.pack(bucket)
+            if self._buffer is None:
+                self._buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8)
+            buffer, entries = wire.pack(bucket, self._buffer)  # one larger tensor: its own
             work = wire.broadcast(self.group, buffer)
             self.engine.update(wire.message(entries, result.buckets, result.version))
             work.wait()
-        except BaseException as e:
-            return e if isinstance(e, EngineError) else EngineError(
-                f"the push to {self.engine.name} broke off: {e}")  # fmt: skip
+        except Exception as e:
+            return self._named(e, "the push broke off")
         result.buckets += 1
         result.tensors += len(entries)
         result.bytes += buffer.numel()
@@ -160,14 +168,23 @@ class WeightPusher:
         try:
             self.engine.update({"end": True, "count": result.tensors, "bucket": result.buckets,
                                 "version": result.version})  # fmt: skip
+            began = time.perf_counter()
             self.engine.pause()
             try:
                 self.engine.finish(result.version)
             finally:
                 self.engine.resume()
-        except BaseException as e:
-            return e
+            result.swap_s = time.perf_counter() - began
+        except Exception as e:
+            return self._named(e, "the push did not finish")
         return None
+
+    def _named(self, e: Exception, what: str) -> EngineError:
+        """``e`` as an ``EngineError`` whose message names the engine."""
+        assert self.engine is not None
+        if isinstance(e, EngineError) and self.engine.name in str(e):
+            return e
+        return EngineError(f"{self.engine.name}: {what}: {e}")
 
     def _agree(self, failure: BaseException | None) -> str | None:
         """Rank 0's failure, said on every rank (None: the push went through)."""

@@ -65,7 +65,10 @@ def model_view(model: Any, family: str | None, args: Any, where: str = "the mode
     ``family``: a dcpkit family (``llama3``, ``qwen3``, ``qwen3_moe``, ...) whose key map and
     ``args`` (the model's args; a dcpkit model's own ``.args`` when None) convert the names;
     ``hf`` or None on transformers' names: sent as they are."""
-    params = dict(model.named_parameters()) if hasattr(model, "named_parameters") else dict(model)
+    if hasattr(model, "named_parameters"):  # a tied output stays under both names, as saved
+        params = dict(model.named_parameters(remove_duplicate=False))
+    else:
+        params = dict(model)
     live = LiveState(params)
     if family is None:
         family, _ = infer_family(None, list(params))

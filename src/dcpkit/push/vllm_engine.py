@@ -8,7 +8,8 @@ model while the engine keeps serving its weights, and only a push that arrived w
 bucket, in order, the count the trainer announced) is loaded, at ``finish_weight_update``.
 A push that breaks off (the trainer died, a bucket was lost) is dropped, at its next bucket or
 at the ``finish_weight_update`` that ends its session; the model keeps the version it had.
-The price: the engine holds one copy of the new weights in host memory while they arrive.
+The price: the engine holds one copy of the weights in host memory beside its model, kept
+from push to push (memory faulted in anew at every push costs more than the transfer).
 This module imports vLLM: it is loaded only inside an engine."""
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: Any = None
+        self.buffers: list[torch.Tensor] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -74,6 +76,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                            self.version)  # fmt: skip
         self.staged: list[tuple[str, torch.Tensor]] = []
         self.next_bucket, self.complete, self.version = 0, False, ""
+
+    def _bucket(self, index: int, nbytes: int) -> torch.Tensor:
+        """Bucket ``index``'s memory, kept from push to push (faulted in once)."""
+        while len(self.buffers) <= index:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self.buffers[index].numel() < nbytes:
+            self.buffers[index] = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffers[index][:nbytes]
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.shutdown()  # a trainer that comes back opens a new group
@@ -106,7 +116,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                                        f"{info.count} tensors, {got} arrived")  # fmt: skip
                 self.complete = True
                 return
-            buffer = torch.empty(info.nbytes, dtype=torch.uint8)
+            buffer = self._bucket(info.bucket, info.nbytes)
             entries = entries_from(
                 {"names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes}
             )

@@ -71,10 +71,19 @@ def broadcast(group: dist.ProcessGroup, buffer: torch.Tensor) -> Any:
     return group.broadcast([buffer], opts)
 
 
-def pack(tensors: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[Entry]]:
-    """One contiguous byte buffer holding ``tensors`` end to end, and what it holds."""
+def pack(
+    tensors: list[tuple[str, torch.Tensor]], into: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[Entry]]:
+    """One contiguous byte buffer holding ``tensors`` end to end, and what it holds: the
+    start of ``into`` when it is large enough (memory kept from one bucket to the next is
+    not faulted in again, which costs more than the copy); one tensor larger than that, its
+    own bytes (no copy)."""
     entries = [Entry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors]
-    buffer = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8)
+    total = sum(e.nbytes for e in entries)
+    fits = into is not None and into.numel() >= total
+    if not fits and len(tensors) == 1 and tensors[0][1].is_contiguous():
+        return tensors[0][1].detach().reshape(-1).view(torch.uint8), entries  # sent as it is
+    buffer = into[:total] if fits else torch.empty(total, dtype=torch.uint8)
     at = 0
     for (_, t), e in zip(tensors, entries, strict=True):
         buffer[at : at + e.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
