@@ -28,11 +28,12 @@ def weight_push(data: dict) -> str:
             f"{times(restart / r['push_s'])}x | {seconds(reload)} | "
             f"{times(reload / r['push_s'])}x |"
         )
-    lines += ["", *head("model", "trainer's stall per push", "a staging copy",
+    lines += ["", *head("model", "stall per push: `push`", "`push_async`", "a copy of the model",
                         "peak extra, trainer", "largest bucket", "peak extra, engine")]  # fmt: skip
     for shape, r in data["results"].items():
         lines.append(
-            f"| {shape} | {seconds(r['push_s'])} | {seconds(r['staging_s'])} | "
+            f"| {shape} | {seconds(r['push_s'])} | {seconds(r['async_stall_s'])} | "
+            f"{seconds(r['staging_s'])} | "
             f"{size3(r['trainer_peak_bytes'])} | {size3(r['largest_bucket'])} | "
             f"{size3(r['engine_peak_bytes'])} |"
         )

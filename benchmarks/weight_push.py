@@ -18,9 +18,9 @@ would wait on it). Each
 figure is the median of ``--repeats``; the folder's write (``to_hf`` of the step) is timed once
 and counted in both the restart's and the reload's cost, as a trainer that uses them pays it.
 
-The trainer's stall per push is the push itself (a push is synchronous), shown beside what a
-staging copy of the model costs (every parameter cloned: what an asynchronous push would block
-for). Peak extra memory: the highest rise of the trainer's and of the server's resident memory
+The trainer's stall per push: the push itself with ``push``; with ``push_async``, what it
+blocks for (its staging copy), beside what a plain copy of the model costs (every parameter
+cloned). Peak extra memory: the highest rise of the trainer's and of the server's resident memory
 during the pushes over their level before the first push (so it counts what a pusher and the
 engine keep from push to push: the trainer's bucket, the engine's copy of the weights),
 sampled every 10 ms.
@@ -143,6 +143,10 @@ def one_shape(shape: str, opts: argparse.Namespace, root: Path) -> dict:
             if i:
                 pushes.append(took)
                 swaps.append(result.swap_s)
+        stalls = []  # push_async: the trainer is blocked for its staging copy
+        for i in range(opts.repeats):
+            pusher.push_async(model, version=f"async-{i}")
+            stalls.append(pusher.wait().stall_s)
     finally:
         for s in servers:
             s.kill()
@@ -157,6 +161,7 @@ def one_shape(shape: str, opts: argparse.Namespace, root: Path) -> dict:
         "push_gb_s": nbytes / push_s / 1e9,
         "swap_s": statistics.median(swaps),
         "staging_s": statistics.median(staging),
+        "async_stall_s": statistics.median(stalls),
         "buckets": result.buckets,
         "largest_bucket": result.largest_bucket,
         "largest_tensor": max(p.numel() * p.element_size() for p in model.parameters()),

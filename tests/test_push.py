@@ -1,6 +1,7 @@
 """Weights pushed into a running vLLM engine (its CPU build, in its own environment: ``make
-vllm-env``): a 2-rank FSDP2 trainer's Llama after each step, served as a fresh engine started on
-the step's Hugging Face export serves it, token for token and logprob for logprob (and a step
+vllm-env``): a 2-rank FSDP2 trainer's Llama after each step (pushed in the background while the
+next step trains), served as a fresh engine started on the step's Hugging Face export serves
+it, token for token and logprob for logprob (and a step
 pushed from its checkpoint into an engine in the pushing process, the same); a trainer
 killed mid-push leaves the engine on its previous version; an engine killed mid-push fails the
 push on every rank with its name, training goes on, and the restarted engine takes the next.
@@ -83,11 +84,14 @@ def _exports(run: Path, steps: list[int]) -> list[Path]:
     return [run / f"hf-{s}" for s in steps]
 
 
-def test_a_2_rank_fsdp2_trainer_pushes_each_step_into_a_running_server_exactly(tmp_path, engine):
+def test_a_2_rank_fsdp2_trainer_pushes_each_step_in_the_background_into_a_server_exactly(
+    tmp_path, engine
+):
     run = _run_dir(tmp_path, engine)
-    run_script(2, "push_fsdp.py", engine.url, str(run), "3")
-    records = json.loads((run / "served.json").read_text())
+    run_script(2, "push_fsdp.py", engine.url, str(run), "3", "async")  # the next step trains
+    records = json.loads((run / "served.json").read_text())  # while a push travels
     assert [r["version"] for r in records] == ["1", "2", "3"]  # each push counted
+    assert all(r["stall_s"] < r["seconds"] for r in records)  # blocked for the copy alone
     largest = max(t.numel() * t.element_size() for t in Llama3(ARGS).state_dict().values())
     for r in records:
         assert r["buckets"] > 1 and r["largest_bucket"] < BUCKET + largest, r

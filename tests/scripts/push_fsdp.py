@@ -4,12 +4,15 @@ into a running vLLM server after each save (``WeightPusher``: every rank gathers
 sends). Rank 0 asks the server for greedy tokens and logprobs of fixed prompts after each push
 and writes them, with the version the server says it serves, to OUT/served.json.
 
-    push_fsdp.py ENGINE_URL OUT STEPS [trainer_dies N | engine_dies PID N]
+    push_fsdp.py ENGINE_URL OUT STEPS [trainer_dies N | engine_dies PID N | async]
 
 ``trainer_dies N``: rank 0 exits (os._exit) before the Nth bucket of the last push goes out.
 ``engine_dies PID N``: rank 0 kills the engine (PID) before the Nth bucket of the first push;
 every rank must then get an ``EngineError`` naming the engine, train its next step, and, once
 the engine answers again (restarted by the test), push again.
+``async``: each step's push is started with ``push_async`` and the next step trains while it
+travels; it is waited for (and the server asked) after that step: the engine must serve the
+weights as they were when the push started.
 """
 
 import dataclasses
@@ -109,14 +112,26 @@ def main() -> None:
         opt.zero_grad()
         mgr.save(step)
 
-    def push() -> None:
-        result = pusher.push(model, version=step)
+    def record(result, pushed: int) -> None:
         if dist.rank() == 0:
-            records.append({"step": step, "buckets": result.buckets, "bytes": result.bytes,
+            records.append({"step": pushed, "buckets": result.buckets, "bytes": result.bytes,
                             "largest_bucket": result.largest_bucket, "seconds": result.seconds,
-                            **served(url)})  # fmt: skip
+                            "stall_s": result.stall_s, **served(url)})  # fmt: skip
             (out / "served.json").write_text(json.dumps(records))
 
+    def push() -> None:
+        record(pusher.push(model, version=step), step)
+
+    if fault == ["async"]:
+        while step < steps:
+            train_step()  # the step before's push travels meanwhile
+            if step > 1:
+                record(pusher.wait(), step - 1)
+            pusher.push_async(model, version=step)
+        record(pusher.wait(), step)
+        mgr.close()
+        torch_dist.destroy_process_group()
+        return
     while step < steps:
         train_step()
         if dist.rank() == 0 and fault[:1] == ["trainer_dies"] and step == steps:

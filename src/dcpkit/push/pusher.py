@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dcpkit.push import wire
 from dcpkit.push.engines import EngineError, HttpEngine, engine_for
-from dcpkit.push.sources import model_view
+from dcpkit.push.sources import model_view, stage
 from dcpkit.units import parse_size
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,9 @@ class PushResult:
     seconds: float
     swap_s: float = 0.0
     """Of ``seconds``: the engine's swap (pause, the new version loaded, resume)."""
+    stall_s: float = 0.0
+    """How long the trainer was blocked: ``seconds`` for ``push``, the staging copy for
+    ``push_async``."""
 
     @property
     def gb_per_s(self) -> float:
@@ -84,14 +87,46 @@ class WeightPusher:
         self.group: Any = None
         self.pushes = 0
         self._buffer: torch.Tensor | None = None  # rank 0's bucket, kept from push to push
+        self._kept: dict[str, torch.Tensor] = {}  # push_async's copies, kept likewise
+        self._group: Any = None  # push_async's own group (and its mesh), made at its first
+        self._mesh: Any = None
+        self._pending: _Call | None = None
 
     def push(self, model: Any, version: str | int | None = None) -> PushResult:
         """Send ``model``'s weights (every rank calls it) as ``version`` (default: a count of
         this pusher's pushes); returns once the engine serves them."""
+        self.wait()
         return self.push_view(model_view(model, self.family, self.args), version)
 
-    def push_view(self, view: Any, version: str | int | None = None) -> PushResult:
-        """Send the tensors of ``view`` (``names()``, ``read(name)``: by the engine's names)."""
+    def push_async(self, model: Any, version: str | int | None = None) -> None:
+        """Start a push of ``model``'s weights as they are now and return once they are copied
+        (every rank copies the shards it holds, into memory kept from push to push): training
+        goes on while they travel, gathered over a group of the push's own. The push before
+        is waited for first; ``wait()`` waits for this one and gives its result (or raises
+        its ``EngineError``)."""
+        self.wait()
+        began = time.perf_counter()
+        if self._mesh is None and self.world > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._group = dist.new_group(backend="gloo")  # every rank, in the same order
+            self._mesh = DeviceMesh.from_group(self._group, "cpu")
+        params = (dict(model.named_parameters(remove_duplicate=False))
+                  if hasattr(model, "named_parameters") else dict(model))  # fmt: skip
+        view = model_view(stage(params, self._kept, self._mesh), self.family, self.args)
+        stall = time.perf_counter() - began
+        self._pending = _Call(self.push_view, view, version, self._group, stall)
+
+    def wait(self) -> PushResult | None:
+        """The result of the push ``push_async`` started (None: none is in flight)."""
+        pending, self._pending = self._pending, None
+        return pending.result(None) if pending is not None else None
+
+    def push_view(
+        self, view: Any, version: str | int | None = None, group: Any = None, stall: float = -1
+    ) -> PushResult:
+        """Send the tensors of ``view`` (``names()``, ``read(name)``: by the engine's names);
+        ``group``: the trainer's group the outcome is agreed on (default: the default one)."""
         self.pushes += 1
         version = str(version if version is not None else self.pushes)
         start = time.perf_counter()
@@ -120,11 +155,12 @@ class WeightPusher:
         if self.rank == 0 and failure is None:
             failure = self._send(bucket, result) if bucket else None
             failure = failure or self._end(result)
-        said = self._agree(failure)
+        said = self._agree(failure, group)
         if said is not None:
             self.group = None  # the next push connects again
             raise EngineError(said) from failure
         result.seconds = time.perf_counter() - start
+        result.stall_s = result.seconds if stall < 0 else stall
         return result
 
     def _begin(self) -> None:
@@ -186,11 +222,11 @@ class WeightPusher:
             return e
         return EngineError(f"{self.engine.name}: {what}: {e}")
 
-    def _agree(self, failure: BaseException | None) -> str | None:
+    def _agree(self, failure: BaseException | None, group: Any) -> str | None:
         """Rank 0's failure, said on every rank (None: the push went through)."""
         said = [None if failure is None else str(failure)]
         if self.world > 1:
-            dist.broadcast_object_list(said, src=0)
+            dist.broadcast_object_list(said, src=0, group=group)
         return said[0]
 
 
@@ -210,7 +246,7 @@ class _Call:
         except BaseException as e:
             self.error = e
 
-    def result(self, timeout: float) -> Any:
+    def result(self, timeout: float | None) -> Any:
         self.thread.join(timeout)
         if self.thread.is_alive():
             raise EngineError(f"the engine did not join the push's group in {timeout:.0f} s")

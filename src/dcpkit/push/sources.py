@@ -41,6 +41,40 @@ class LiveState:
         self._last = None
 
 
+def stage(
+    params: dict[str, torch.Tensor], kept: dict[str, torch.Tensor], mesh: Any
+) -> dict[str, torch.Tensor]:
+    """A copy of ``params`` in ``kept`` (memory kept from push to push), each rank copying only
+    what it holds: a ``DTensor``'s local shard, as a ``DTensor`` again on ``mesh`` (the push's
+    own group: gathered there while training goes on with the model's). A parameter under two
+    names (a tied output) is copied once."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor] = {}
+    for name, p in params.items():
+        if id(p) in seen:
+            out[name] = seen[id(p)]
+            continue
+        t = p.detach()
+        local = t.to_local() if isinstance(t, DTensor) else t
+        copy = kept.get(name)
+        if copy is None or copy.shape != local.shape or copy.dtype != local.dtype:
+            copy = kept[name] = torch.empty(local.shape, dtype=local.dtype)
+        copy.copy_(local)
+        if isinstance(t, DTensor):
+            if mesh is None or t.device_mesh.ndim != 1 or t.device_mesh.size() != mesh.size():
+                raise ValueError(
+                    f"{name}: an asynchronous push gathers a DTensor on a mesh of every rank "
+                    f"in one dimension; this one's mesh is {tuple(t.device_mesh.shape)}: push "
+                    "it with push() (synchronous)"
+                )
+            copy = DTensor.from_local(copy, mesh, t.placements, run_check=False,
+                                      shape=t.shape, stride=t.stride())  # fmt: skip
+        out[name] = seen[id(p)] = copy
+    return out
+
+
 class Identity:
     """Names kept as they are (a transformers model, or a family ``hf`` checkpoint)."""
 
