@@ -15,6 +15,7 @@ This module imports vLLM: it is loaded only inside an engine."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,16 +117,30 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                                        f"{info.count} tensors, {got} arrived")  # fmt: skip
                 self.complete = True
                 return
-            buffer = self._bucket(info.bucket, info.nbytes)
             entries = entries_from(
                 {"names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes}
             )
-            unpack(buffer, entries)  # checks the sizes agree before a byte is received
+            self._check_size(info, entries)  # before any memory is taken for it
+            buffer = self._bucket(info.bucket, info.nbytes)
             broadcast(self.group, buffer).wait()
             self.staged.extend(unpack(buffer, entries))
         except BaseException:
             self._reset()  # what arrived of this version is dropped; the model is untouched
             raise
+
+    def _check_size(self, info: GlooUpdateInfo, entries: list[Any]) -> None:
+        """A bucket's bytes are its tensors', and fit in the memory the machine can give: a
+        message that claims more is refused before anything is allocated for it."""
+        if any(d < 0 for e in entries for d in e.shape):
+            raise RuntimeError(f"{BACKEND}: bucket {info.bucket} names a negative dimension")
+        need = sum(e.nbytes for e in entries)
+        kept = self.buffers[info.bucket].numel() if info.bucket < len(self.buffers) else 0
+        free = _available()
+        if need != info.nbytes or need - kept > free:
+            raise RuntimeError(
+                f"{BACKEND}: bucket {info.bucket} says {info.nbytes} bytes, its tensors "
+                f"{need}; {free} bytes of memory are available: refused"
+            )
 
     def finish_weight_update(self) -> None:
         if not self.complete:  # a push broken off (its trainer stopped): the session ends
@@ -146,6 +161,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def shutdown(self) -> None:
         self.group = None
         self._reset()
+
+
+def _available() -> int:
+    """The bytes of memory this machine can still give (Linux's MemAvailable: free memory and
+    the page cache it can drop), or its free pages elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def register() -> None:
