@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dcpkit.push import wire
 from dcpkit.push.engines import EngineError, HttpEngine, engine_for
-from dcpkit.push.sources import model_view, stage
+from dcpkit.push.sources import model_view, parameters, stage
 from dcpkit.units import parse_size
 
 logger = logging.getLogger(__name__)
@@ -111,9 +111,8 @@ class WeightPusher:
 
             self._group = dist.new_group(backend="gloo")  # every rank, in the same order
             self._mesh = DeviceMesh.from_group(self._group, "cpu")
-        params = (dict(model.named_parameters(remove_duplicate=False))
-                  if hasattr(model, "named_parameters") else dict(model))  # fmt: skip
-        view = model_view(stage(params, self._kept, self._mesh), self.family, self.args)
+        staged = stage(parameters(model), self._kept, self._mesh)
+        view = model_view(staged, self.family, self.args)
         stall = time.perf_counter() - began
         self._pending = _Call(self.push_view, view, version, self._group, stall)
 

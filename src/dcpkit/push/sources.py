@@ -94,15 +94,20 @@ class Identity:
         return self.src.read(name, rows)
 
 
+def parameters(model: Any) -> dict[str, torch.Tensor]:
+    """``model``'s parameters by name (a module, or a dict of tensors already): a tied output
+    stays under both its names, as a save holds it."""
+    if hasattr(model, "named_parameters"):
+        return dict(model.named_parameters(remove_duplicate=False))
+    return dict(model)
+
+
 def model_view(model: Any, family: str | None, args: Any, where: str = "the model") -> Any:
     """``model``'s parameters (a module, or a dict of tensors) by the engine's names.
     ``family``: a dcpkit family (``llama3``, ``qwen3``, ``qwen3_moe``, ...) whose key map and
     ``args`` (the model's args; a dcpkit model's own ``.args`` when None) convert the names;
     ``hf`` or None on transformers' names: sent as they are."""
-    if hasattr(model, "named_parameters"):  # a tied output stays under both names, as saved
-        params = dict(model.named_parameters(remove_duplicate=False))
-    else:
-        params = dict(model)
+    params = parameters(model)
     live = LiveState(params)
     if family is None:
         family, _ = infer_family(None, list(params))

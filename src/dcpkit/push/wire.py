@@ -6,6 +6,7 @@ and the engine's side needs nothing else of dcpkit's."""
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +27,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=dtype_of(self.dtype)).element_size()
+        return math.prod(self.shape) * dtype_of(self.dtype).itemsize
 
 
 def dtype_of(name: str) -> torch.dtype:
