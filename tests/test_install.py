@@ -1,7 +1,7 @@
 """The README's install lines, run as written: the wheel built from the tree, then installed by
 the README's exact ``pip install`` line into fresh virtual environments, with pip as Python 3.11
-ships it and with the newest pip; then ``dcpkit --version`` and the README's training loop under
-torchrun, from outside the repository.
+ships it and with the newest pip; then ``dcpkit --version`` from outside the repository, and
+(once: both pips install the same wheel) the README's training loop under torchrun there.
 
 The fresh environments see this test environment's packages (torch and the extras' packages)
 through a ``.pth`` line, so that pip finds the dependencies already satisfied instead of
@@ -86,6 +86,8 @@ def test_the_readme_install_lines_work_as_written(wheel, tmp_path, pip):
         [python, "-c", "import dcpkit; print(dcpkit.__file__)"], cwd=elsewhere, env=env, text=True
     )
     assert where.startswith(str(venv)), where  # the wheel's dcpkit, not the tree's
+    if pip == "newest":
+        return  # what pip installed is the same wheel's: its training loop runs once, below
     loop = shutil.copy(ROOT / "examples" / "fsdp2_loop.py", elsewhere)
     run_env = {**torchrun_env(), "PATH": env["PATH"]}
     run_env.pop("PYTHONPATH", None)
