@@ -44,11 +44,11 @@ def _free_port() -> int:
 
 
 class _Worker:
-    def __init__(self, env: dict[str, str], log: Path) -> None:
+    def __init__(self, env: dict[str, str], log: Path, python: str) -> None:
         ours, theirs = socket.socketpair()
         with open(log, "ab") as sink:
             self.proc = subprocess.Popen(
-                [sys.executable, str(HERE / "rank_worker.py"), str(theirs.fileno())],
+                [python, str(HERE / "rank_worker.py"), str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -86,10 +86,13 @@ class _Worker:
 
 
 class RankPool:
-    """Up to ``MAX_RANKS`` rank processes, started as jobs first need them."""
+    """Up to ``MAX_RANKS`` rank processes, started as jobs first need them; ``python``: the
+    interpreter they run (default: this one), another environment's for its packages."""
 
-    def __init__(self, env: dict[str, str], scratch: Path | None = None) -> None:
-        self.env = env
+    def __init__(
+        self, env: dict[str, str], scratch: Path | None = None, python: str | None = None
+    ) -> None:
+        self.env, self.python = env, python or sys.executable
         self.scratch = Path(scratch or tempfile.mkdtemp(prefix="dcpkit-ranks-"))
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.workers: list[_Worker | None] = [None] * MAX_RANKS
@@ -104,7 +107,7 @@ class RankPool:
             if worker is not None:
                 worker.stop()
                 self.restarts += 1
-            worker = _Worker(self.env, self.scratch / f"worker-{rank}.log")
+            worker = _Worker(self.env, self.scratch / f"worker-{rank}.log", self.python)
             self.workers[rank] = worker
             self.starts += 1
         return worker

@@ -219,12 +219,14 @@ def test_the_mixin_on_the_oldest_and_newest_releases_it_supports(sft_full, tmp_p
     ``Trainer`` methods the mixin replaces are, to the character, those of the release the rest
     of the suite runs; stopped after step 9 and resumed, every micro-batch loss equal to an
     uninterrupted run's: on the newest, the suite's own on 5.24 (their losses are the same), on
-    the oldest, its own (TRL 1.14's losses differ from 1.16's)."""
+    the oldest, its own (TRL 1.14's losses differ from 1.16's). The runs go to a rank pool of
+    the release environment's Python, as the suite's runs go to the suite's."""
     import subprocess
 
     import transformers
 
     from conftest import torchrun_env
+    from ranks import RankPool
 
     python = release_python(which)
     shown = subprocess.run(
@@ -237,19 +239,20 @@ def test_the_mixin_on_the_oldest_and_newest_releases_it_supports(sft_full, tmp_p
     ours = _replaced_methods(Path(transformers.__file__).parent / "trainer.py")
     assert all(ours.values()) and theirs == ours, [n for n in REPLACED if theirs[n] != ours[n]]
     example = ROOT / "examples" / "transformers_trainer.py"
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", example]
     runs = {"full": sft_full} if which == "newest" else {}
-    for name, folder, args in (("full", "full", []), ("stopped", "run", ["9"]),
-                               ("resumed", "run", ["--resume"])):  # fmt: skip
-        if name in runs:
-            continue
-        proc = subprocess.run(
-            [*cmd, str(tmp_path / folder), *args], env=torchrun_env(SFT), capture_output=True,
-            text=True, timeout=600,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        found = re.findall(r"^loss (\d) (\d+) (\d) (\S+)$", proc.stdout, re.M)
-        runs[name] = {(int(r), int(s), int(m)): v for r, s, m, v in found}
+    pool = RankPool(torchrun_env(), tmp_path / "ranks", python=str(python))  # torch once a rank
+    try:
+        for name, folder, args in (("full", "full", []), ("stopped", "run", ["9"]),
+                                   ("resumed", "run", ["--resume"])):  # fmt: skip
+            if name in runs:
+                continue
+            proc = pool.run(2, "script", str(example), [str(tmp_path / folder), *args],
+                            torchrun_env(SFT), timeout=600)  # fmt: skip
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            found = re.findall(r"^loss (\d) (\d+) (\d) (\S+)$", proc.stdout, re.M)
+            runs[name] = {(int(r), int(s), int(m)): v for r, s, m, v in found}
+    finally:
+        pool.close()
     full, first, resumed = runs["full"], runs["stopped"], runs["resumed"]
     assert len(full) == 2 * 14 * 2 and {s for _, s, _ in resumed} == set(range(10, 15))
     assert [k for k, v in {**first, **resumed}.items() if full[k] != v] == []

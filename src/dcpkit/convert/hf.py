@@ -8,7 +8,6 @@ when complete (and verified, with ``verify=True``).
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,6 @@ import torch
 
 from dcpkit.convert.adapters import ConversionError, ModelAdapter, get_adapter
 from dcpkit.convert.adapters.base import infer_family
-from dcpkit.convert.adapters.hf import HFConfig, read_config_json
 from dcpkit.convert.common import DEFAULT_BUDGET, output, progress, row_blocks
 from dcpkit.convert.fp8 import dequantizing
 from dcpkit.convert.hf_files import (
@@ -28,7 +26,13 @@ from dcpkit.convert.hf_files import (
     write_json,
 )
 from dcpkit.convert.hf_verify import verify_dcp_tensors, verify_hf_tensors, verify_logits
-from dcpkit.convert.model_record import bounded_args, kept_config, model_record, recorded_model
+from dcpkit.convert.model_record import (
+    kept_config,
+    model_record,
+    plausible_args,
+    recorded_model,
+    resolve_model,
+)
 from dcpkit.convert.peft import to_peft_folder
 from dcpkit.convert.result import ConversionResult
 from dcpkit.convert.views import FromHF, ToHF
@@ -75,7 +79,7 @@ def to_hf(
         DCPCheckpoint(view.path, view.opener) as src,
     ):
         refuse_broken(view)
-        inferred, recorded, found = None, recorded_model(view.path), None
+        recorded, found = recorded_model(view.path), None
         if (
             tokenizer is None
             and (recorded or {}).get("family") == "hf"
@@ -90,31 +94,9 @@ def to_hf(
             return result
         if merge:
             raise ConversionError(f"{ckpt}: --merge merges a PEFT model's adapters; none is here")
-        if recorded is not None and flavor is None and family in (None, recorded["family"]):
-            family, flavor = recorded["family"], recorded["config"]
-            inferred = f"model family {family} and its args: from the checkpoint's manifest"
-        if family is None:
-            family, why = infer_family(None, [k for k in src.tensors if src.is_model_key(k)])
-            inferred = f"model family {family}: {why} (--model to choose another)"
-        no_config = not isinstance(flavor, str | Path) or not Path(flavor).exists()
-        if family == "hf" and no_config and not isinstance(flavor, dict | HFConfig):
-            raise ConversionError(
-                f"{ckpt}'s parameters carry transformers' names: export it with --model hf "
-                "--config CONFIG_JSON (the model's config.json)"
-            )
-        if flavor is None:
-            raise ConversionError(
-                "to-hf needs --flavor (e.g. --flavor 8B) or --config CONFIG_JSON: head counts "
-                "cannot be read from the tensors' shapes"
-            )
-        adapter = get_adapter(family)
-        original = flavor if isinstance(flavor, dict) else None  # a config.json to give back
-        if original is not None:
-            keys = [k for k in src.tensors if src.is_model_key(k)]
-            args = bounded_args(adapter, original, len(keys), str(ckpt))
-            flavor = adapter.flavor_name(args) or "custom (from the recorded config.json)"
-        else:
-            args, flavor = _resolve_flavor(adapter, flavor)
+        model = resolve_model(src, view.path, str(ckpt), family, flavor, "to-hf")
+        adapter, args, flavor, original = model.adapter, model.args, model.flavor, model.original
+        family, inferred = adapter.family, model.inferred
         with output(out, is_dir=True, force=force, storage_options=storage_options) as pending:
             tmp = pending.scratch()
             result, plan, out_dtype = write_hf_folder(
@@ -171,18 +153,6 @@ def _peft(src, out, name, recorded, merge, tokenizer, dtype, verify, force, opti
         pending.publish()
     result.output, result.seconds = str(out), time.perf_counter() - start
     return result
-
-
-def _resolve_flavor(adapter: ModelAdapter, flavor: str | Any) -> tuple[Any, str]:
-    """Model args from a flavor name, a ``config.json`` (its path, or its folder), or args."""
-    if isinstance(flavor, str | Path) and adapter.family != "hf" and Path(flavor).exists():
-        config = read_config_json(flavor)
-        args = _plausible(adapter, config, str(flavor), None)
-        return args, adapter.flavor_name(args) or "custom (from config.json)"
-    if isinstance(flavor, str):
-        args = adapter.resolve_flavor(flavor)
-        return args, (flavor if adapter.flavors else adapter.flavor_name(args) or flavor)
-    return flavor, adapter.flavor_name(flavor) or "custom"
 
 
 def write_hf_folder(
@@ -339,7 +309,7 @@ def import_args(  # type: ignore[no-untyped-def]
     if flavor is not None:
         args = adapter.resolve_flavor(flavor)
         if config is not None:
-            theirs = _plausible(adapter, config, name, src)
+            theirs = plausible_args(adapter, config, name, src)
             if adapter.expected_shapes(theirs) != adapter.expected_shapes(args):
                 raise ConversionError(
                     f"{name}/config.json does not describe {adapter.family} flavor {flavor} (its "
@@ -347,35 +317,6 @@ def import_args(  # type: ignore[no-untyped-def]
                 )
         return args, flavor
     if config is not None:
-        args = _plausible(adapter, config, name, src)
+        args = plausible_args(adapter, config, name, src)
         return args, adapter.flavor_name(args) or "custom (from config.json)"
     raise ConversionError(f"{name} has no config.json; pass --flavor")
-
-
-def _plausible(adapter: ModelAdapter, config: Any, name: str, src: Any) -> Any:
-    """Model args from ``config.json``, refused when they describe more than the folder holds
-    (a hostile or wrong config would otherwise make the checks themselves run away)."""
-    if not isinstance(config, dict):
-        raise ConversionError(f"{name}/config.json is not a JSON object")
-    try:
-        args = adapter.args_from_hf_config(config)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConversionError(
-            f"{name}/config.json cannot be read as {adapter.family}: {e}"
-        ) from None
-    if src is None:
-        return args
-    held = len(src.names())
-    if not 0 < int(getattr(args, "n_layers", 1)) <= held:
-        raise ConversionError(
-            f"{name}/config.json describes {getattr(args, 'n_layers', '?')} layers, but the "
-            f"folder holds {held} tensors: the config does not belong to these weights"
-        )
-    need = sum(math.prod(shape) for shape in adapter.expected_shapes(args).values())
-    have = sum(src.nbytes(k) for k in src.names())
-    if need > have:
-        raise ConversionError(
-            f"{name}/config.json describes {need:,} parameters, but the folder holds "
-            f"{have:,} bytes of weights: the config does not belong to these weights"
-        )
-    return args

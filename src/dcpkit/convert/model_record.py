@@ -5,13 +5,16 @@ only where the export must change it."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dcpkit.convert.adapters import ConversionError, ModelAdapter
-from dcpkit.convert.adapters.hf import layer_count
+from dcpkit.convert.adapters import ConversionError, ModelAdapter, get_adapter
+from dcpkit.convert.adapters.base import infer_family
+from dcpkit.convert.adapters.hf import HFConfig, layer_count, read_config_json
 from dcpkit.layout import dtype_name
 
 
@@ -61,3 +64,93 @@ def bounded_args(adapter: ModelAdapter, config: dict[str, Any], n_keys: int, nam
             f"checkpoint of {n_keys} tensors; pass --flavor or --config"
         )
     return adapter.args_from_hf_config(config)
+
+
+@dataclass
+class ResolvedModel:
+    """A checkpoint's model as an export or a push reads it: its family's adapter, the args
+    and the flavor's name, the ``config.json`` it was given or recorded (an export gives it
+    back, changed only where it must), and where family and args came from (a note to say)."""
+
+    adapter: ModelAdapter
+    args: Any
+    flavor: str
+    keys: list[str]
+    original: dict[str, Any] | None = None
+    inferred: str | None = None
+
+
+def resolve_model(
+    src: Any, folder: Path, name: str, family: str | None, flavor: Any, verb: str
+) -> ResolvedModel:
+    """The model of the step ``src`` (read at ``folder``; ``name`` in messages): family and
+    args from its manifest when it records them and neither is given otherwise, the family
+    inferred from the parameters' names when none is given; ``flavor`` a flavor name, a
+    ``config.json`` (its path, or a dict) or args. ``verb``: the command, in messages."""
+    keys = [k for k in src.tensors if src.is_model_key(k)]
+    recorded, inferred = recorded_model(folder), None
+    if recorded is not None and flavor is None and family in (None, recorded["family"]):
+        family, flavor = recorded["family"], recorded["config"]
+        inferred = f"model family {family} and its args: from the checkpoint's manifest"
+    if family is None:
+        family, why = infer_family(None, keys)
+        inferred = f"model family {family}: {why} (--model to choose another)"
+    no_config = not isinstance(flavor, str | Path) or not Path(flavor).exists()
+    if family == "hf" and no_config and not isinstance(flavor, dict | HFConfig):
+        raise ConversionError(
+            f"{name}'s parameters carry transformers' names: {verb} needs --model hf "
+            "--config CONFIG_JSON (the model's config.json)"
+        )
+    if flavor is None:
+        raise ConversionError(
+            f"{verb} needs --flavor (e.g. --flavor 8B) or --config CONFIG_JSON: {name} records "
+            "no model, and head counts cannot be read from the tensors' shapes"
+        )
+    adapter = get_adapter(family)
+    if isinstance(flavor, dict):  # a config.json, given or recorded
+        args = bounded_args(adapter, flavor, len(keys), name)
+        return ResolvedModel(adapter, args, adapter.flavor_name(args) or "custom (from the "
+                             "recorded config.json)", keys, flavor, inferred)  # fmt: skip
+    args, flavor = resolve_flavor(adapter, flavor)
+    return ResolvedModel(adapter, args, flavor, keys, None, inferred)
+
+
+def resolve_flavor(adapter: ModelAdapter, flavor: str | Any) -> tuple[Any, str]:
+    """Model args from a flavor name, a ``config.json`` (its path, or its folder), or args."""
+    if isinstance(flavor, str | Path) and adapter.family != "hf" and Path(flavor).exists():
+        config = read_config_json(flavor)
+        args = plausible_args(adapter, config, str(flavor), None)
+        return args, adapter.flavor_name(args) or "custom (from config.json)"
+    if isinstance(flavor, str):
+        args = adapter.resolve_flavor(flavor)
+        return args, (flavor if adapter.flavors else adapter.flavor_name(args) or flavor)
+    return flavor, adapter.flavor_name(flavor) or "custom"
+
+
+def plausible_args(adapter: ModelAdapter, config: Any, name: str, src: Any) -> Any:
+    """Model args from ``config.json``, refused when they describe more than the folder holds
+    (a hostile or wrong config would otherwise make the checks themselves run away)."""
+    if not isinstance(config, dict):
+        raise ConversionError(f"{name}/config.json is not a JSON object")
+    try:
+        args = adapter.args_from_hf_config(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConversionError(
+            f"{name}/config.json cannot be read as {adapter.family}: {e}"
+        ) from None
+    if src is None:
+        return args
+    held = len(src.names())
+    if not 0 < int(getattr(args, "n_layers", 1)) <= held:
+        raise ConversionError(
+            f"{name}/config.json describes {getattr(args, 'n_layers', '?')} layers, but the "
+            f"folder holds {held} tensors: the config does not belong to these weights"
+        )
+    need = sum(math.prod(shape) for shape in adapter.expected_shapes(args).values())
+    have = sum(src.nbytes(k) for k in src.names())
+    if need > have:
+        raise ConversionError(
+            f"{name}/config.json describes {need:,} parameters, but the folder holds "
+            f"{have:,} bytes of weights: the config does not belong to these weights"
+        )
+    return args

@@ -11,10 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from dcpkit.console import summary
-from dcpkit.convert.adapters import ConversionError, get_adapter
-from dcpkit.convert.adapters.base import infer_family
-from dcpkit.convert.hf import _resolve_flavor
-from dcpkit.convert.model_record import bounded_args, recorded_model
+from dcpkit.convert.adapters import ConversionError
+from dcpkit.convert.model_record import resolve_model
 from dcpkit.convert.views import ToHF
 from dcpkit.formats.dcp import DCPCheckpoint
 from dcpkit.formats.structure import refuse_broken
@@ -27,25 +25,13 @@ logger = logging.getLogger(__name__)
 
 def step_weights(src: DCPCheckpoint, path: Any, name: str, family: str | None, flavor: Any) -> Any:
     """The model of ``src`` by Hugging Face names (a ``ToHF`` view), as ``to_hf`` would write
-    it: family and args from the step's manifest when it records them."""
-    keys = [k for k in src.tensors if src.is_model_key(k)]
-    if not keys:
+    it: its family and args resolved as ``to_hf`` resolves them."""
+    model = resolve_model(src, path, name, family, flavor, "push")
+    if not model.keys:
         raise ConversionError(f"{name} holds no model parameters")
-    recorded = recorded_model(path)
-    if recorded is not None and flavor is None and family in (None, recorded["family"]):
-        family, flavor = recorded["family"], recorded["config"]
-    if family is None:
-        family, _ = infer_family(None, keys)
-    if flavor is None:
-        raise ConversionError(f"{name} records no model: give its --model and --flavor "
-                              "(or --config CONFIG_JSON)")  # fmt: skip
-    adapter = get_adapter(family)
-    if isinstance(flavor, dict):
-        args, flavor = bounded_args(adapter, flavor, len(keys), name), "custom"
-    else:
-        args, flavor = _resolve_flavor(adapter, flavor)
-    src.check(keys)
-    return ToHF(src, adapter.plan_to_hf({k: src.shape(k) for k in keys}, args, flavor, name))
+    src.check(model.keys)
+    shapes = {k: src.shape(k) for k in model.keys}
+    return ToHF(src, model.adapter.plan_to_hf(shapes, model.args, model.flavor, name))
 
 
 def push_checkpoint(
