@@ -30,9 +30,10 @@ def engine_env(**extra: str) -> dict[str, str]:
 
 class VllmServer:
     """``vllm.entrypoints.openai.api_server`` on 127.0.0.1 serving ``model`` as ``m``, in a
-    session of its own (``kill`` stops the server and its engine process together). The worker
-    runs in the engine's process (``--distributed-executor-backend uni``): one Python start
-    fewer."""
+    session of its own (``kill`` stops the server and its engine processes together). A start is
+    three Pythons that each import vLLM: the server, its engine core and the engine's worker
+    (vLLM's CPU platform runs the worker in a process of its own whatever the executor asked
+    for, and its server has no in-process engine core)."""
 
     def __init__(
         self, model: Path, log: Path, dtype: str = "float32", tokenizer: bool = True
@@ -51,7 +52,7 @@ class VllmServer:
         cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(self.model), "--served-model-name", "m", "--dtype", self.dtype,
                "--enforce-eager", "--max-model-len", "256", "--host", "127.0.0.1",
-               "--port", str(self.port), "--distributed-executor-backend", "uni",
+               "--port", str(self.port),
                "--weight-transfer-config", '{"backend": "dcpkit_gloo"}']  # fmt: skip
         cmd += [] if self.tokenizer else ["--skip-tokenizer-init"]
         began = time.perf_counter()

@@ -1,11 +1,11 @@
 """Weights pushed into a running vLLM engine (its CPU build, in its own environment: ``make
 vllm-env``): a 2-rank FSDP2 trainer's Llama after each step (pushed in the background while the
 next step trains), served as a fresh engine started on the step's Hugging Face export serves
-it, token for token and logprob for logprob (and a step
-pushed from its checkpoint into an engine in the pushing process, the same); a trainer
-killed mid-push leaves the engine on its previous version; an engine killed mid-push fails the
-push on every rank with its name, training goes on, and the restarted engine takes the next.
-One server for the module (its start costs ~17 s; benchmarks/_engine.py)."""
+it, token for token and logprob for logprob (and a step pushed from its checkpoint into an
+engine in the pushing process, the same); a trainer killed mid-push leaves the engine on its
+previous version; an engine killed mid-push fails the push on every rank with its name,
+training goes on, and the restarted engine takes the next. One server for the module (a start
+is three Pythons that each import vLLM; benchmarks/_engine.py)."""
 
 from __future__ import annotations
 
