@@ -4,6 +4,7 @@ for the weight-push tests and benchmark: its OpenAI-compatible API, the weight-u
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import signal
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +107,14 @@ class VllmServer:
             total += next(int(x.split()[1]) * 1024 for x in status.splitlines()
                           if x.startswith("VmRSS:"))  # fmt: skip
         return total
+
+    def reload(self, folder: Path, timeout: float = 1800.0) -> None:
+        """vLLM's ``reload_weights`` from ``folder`` (a Hugging Face folder) in this server,
+        through its ``/collective_rpc``: a path reload."""
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+        request = urllib.request.Request(self.url + "/collective_rpc", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        urllib.request.urlopen(request, timeout=timeout).read()
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from _engine import VllmServer  # this script's folder is on sys.path
@@ -84,12 +82,6 @@ class Peak:
         self.top = max(self.top, self.read() - self.base)
 
 
-def _post(url: str, body: dict) -> None:
-    headers = {"Content-Type": "application/json"}
-    req = urllib.request.Request(url, json.dumps(body).encode(), headers)
-    urllib.request.urlopen(req, timeout=1800).read()
-
-
 def one_shape(shape: str, opts: argparse.Namespace, root: Path) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
@@ -127,8 +119,7 @@ def one_shape(shape: str, opts: argparse.Namespace, root: Path) -> dict:
         reloads = []
         for _ in range(opts.repeats):
             began = time.perf_counter()
-            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-            _post(server.url + "/collective_rpc", reload)
+            server.reload(folder)
             reloads.append(time.perf_counter() - began)
         pusher = WeightPusher(server.url, family="llama3", args=args, bucket_size=opts.bucket_size)
         pushes, swaps, trainer_peak, engine_peak, result = [], [], [], [], None

@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -140,10 +139,7 @@ def test_an_engine_killed_mid_push_fails_every_rank_by_its_name_and_the_next_pus
     # the restarted engine serves step 2 exactly: as it does after loading step 2's export from
     # its path (the first test compares pushes with fresh engines on the exports)
     (hf,) = _exports(run, [2])
-    reload = {"method": "reload_weights", "kwargs": {"weights_path": str(hf)}}
-    req = urllib.request.Request(engine.url + "/collective_rpc", json.dumps(reload).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
-    urllib.request.urlopen(req, timeout=300).read()
+    engine.reload(hf, timeout=300)
     assert served(engine.url)["outputs"] == records[0]["outputs"]
 
 

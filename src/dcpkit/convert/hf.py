@@ -94,7 +94,7 @@ def to_hf(
             return result
         if merge:
             raise ConversionError(f"{ckpt}: --merge merges a PEFT model's adapters; none is here")
-        model = resolve_model(src, view.path, str(ckpt), family, flavor, "to-hf")
+        model = resolve_model(src, recorded, str(ckpt), family, flavor, "to-hf")
         adapter, args, flavor, original = model.adapter, model.args, model.flavor, model.original
         family, inferred = adapter.family, model.inferred
         with output(out, is_dir=True, force=force, storage_options=storage_options) as pending:

@@ -81,14 +81,15 @@ class ResolvedModel:
 
 
 def resolve_model(
-    src: Any, folder: Path, name: str, family: str | None, flavor: Any, verb: str
+    src: Any, recorded: dict[str, Any] | None, name: str, family: str | None, flavor: Any, verb: str
 ) -> ResolvedModel:
-    """The model of the step ``src`` (read at ``folder``; ``name`` in messages): family and
-    args from its manifest when it records them and neither is given otherwise, the family
-    inferred from the parameters' names when none is given; ``flavor`` a flavor name, a
-    ``config.json`` (its path, or a dict) or args. ``verb``: the command, in messages."""
+    """The model of the step ``src`` (``name`` in messages): family and args from what its
+    manifest records (``recorded``: ``recorded_model`` of its folder) when neither is given
+    otherwise, the family inferred from the parameters' names when none is given; ``flavor`` a
+    flavor name, a ``config.json`` (its path, or a dict) or args. ``verb``: the command, in
+    messages."""
     keys = [k for k in src.tensors if src.is_model_key(k)]
-    recorded, inferred = recorded_model(folder), None
+    inferred = None
     if recorded is not None and flavor is None and family in (None, recorded["family"]):
         family, flavor = recorded["family"], recorded["config"]
         inferred = f"model family {family} and its args: from the checkpoint's manifest"

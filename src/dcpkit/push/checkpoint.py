@@ -12,7 +12,7 @@ from typing import Any
 
 from dcpkit.console import summary
 from dcpkit.convert.adapters import ConversionError
-from dcpkit.convert.model_record import resolve_model
+from dcpkit.convert.model_record import recorded_model, resolve_model
 from dcpkit.convert.views import ToHF
 from dcpkit.formats.dcp import DCPCheckpoint
 from dcpkit.formats.structure import refuse_broken
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 def step_weights(src: DCPCheckpoint, path: Any, name: str, family: str | None, flavor: Any) -> Any:
     """The model of ``src`` by Hugging Face names (a ``ToHF`` view), as ``to_hf`` would write
     it: its family and args resolved as ``to_hf`` resolves them."""
-    model = resolve_model(src, path, name, family, flavor, "push")
+    model = resolve_model(src, recorded_model(path), name, family, flavor, "push")
     if not model.keys:
         raise ConversionError(f"{name} holds no model parameters")
     src.check(model.keys)
