@@ -56,6 +56,8 @@ config.dump_folder = str(out)
 config.hf_assets_path = os.environ.get("HF_ASSETS", str(assets))
 config.dataloader.dataset_path = str(data)
 config.training.steps, config.training.seq_len, config.training.local_batch_size = 8, 64, 2
+if not torch.cuda.is_available():  # bfloat16 matmuls are slow on CPUs without bf16 units
+    config.training.mixed_precision_param = "float32"
 config.validator.enable = False
 config.debug.seed = 0  # the same initial weights in every run, to compare runs
 config.parallelism.spmd_backend = "partial_dtensor"  # FSDP over the 2 processes

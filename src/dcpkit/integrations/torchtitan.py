@@ -309,9 +309,11 @@ def run_on_cpu() -> None:
     ``_get_available_device_type() or "cuda"``), and its attention (flex attention, or varlen's
     flash kernels) has no CPU backward. This points TorchTitan's device helpers at the CPU and
     computes flex attention with SDPA under the same mask (mathematically the same attention;
-    not bitwise the same kernel as on a GPU); gloo's missing ``PREMUL_SUM`` is replaced by the
-    same sum; ``torch.distributed.set_timeout`` (which TorchTitan 0.3.0 calls after the first
-    step) is provided when this torch lacks it. For tests and laptops; on GPUs, do not call it.
+    not bitwise the same kernel as on a GPU), whose block mask is made without ``torch.compile``
+    (only its ``mask_mod`` is read: compiling it cost each process seconds at step 1); gloo's
+    missing ``PREMUL_SUM`` is replaced by the same sum; ``torch.distributed.set_timeout``
+    (which TorchTitan 0.3.0 calls after the first step) is provided when this torch lacks it.
+    For tests and laptops; on GPUs, do not call it.
     """
     import importlib
     import sys
@@ -324,10 +326,13 @@ def run_on_cpu() -> None:
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
             module.device_module = _CPUDevice
+    from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.distributed import fsdp
-    from torchtitan.models.common.attention import FlexAttention
+    from torchtitan.models.common import attention
 
-    FlexAttention.forward = _flex_attention_on_cpu
+    attention.FlexAttention.forward = _flex_attention_on_cpu
+    if hasattr(attention, "_compiled_create_block_mask"):  # only its mask_mod is read here
+        attention._compiled_create_block_mask = create_block_mask
     if not hasattr(torch.distributed, "set_timeout"):  # TorchTitan 0.3.0 calls it after step 1
         torch.distributed.set_timeout = _set_timeout
     fsdp.disable_fsdp_gradient_division = _sum_gradients(fsdp.disable_fsdp_gradient_division)
