@@ -42,12 +42,16 @@ def _side_by_side(data: dict) -> str:
     )
 
 
+def _cpu(data: dict) -> str:
+    return f" ({data['cpu']})" if data.get("cpu") else ""
+
+
 def test_profile(data: dict) -> str:
     total = sum(data["kinds_s"].values())
     lines = [
         para(
             f"{data['tests']} tests in {_minutes(data['wall_s'])} of pytest on "
-            f"{data['cores']} cores, {_side_by_side(data)}; the rank pools ran "
+            f"{data['cores']} cores{_cpu(data)}, {_side_by_side(data)}; the rank pools ran "
             f"{data['pool']['jobs']} multi-rank jobs on "
             f"{data['pool']['worker_starts']} worker starts ({data['pool']['restarts']} of them "
             f"after a stopped job); the tests started {data['python_starts']} Python processes of "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -250,6 +251,7 @@ class Collect:
         data = {
             "command": " ".join(["pytest", *sys.argv[1:]]),
             "cores": os.cpu_count(),
+            "cpu": cpu(),
             "test_processes": max(1, len(self.pools)) if numprocesses else 1,
             "exit_status": int(exitstatus),
             "wall_s": round(time.perf_counter() - self.started, 1),
@@ -283,6 +285,24 @@ class Collect:
             data = merged(json.loads(self.path.read_text()), data)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def cpu() -> str:
+    """The processor and its widest vector units: two machines of 2 cores, one with AVX-512 and
+    one with AVX2 alone, take very different times over the same suite."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((x.split(":", 1)[1].strip() for x in text.splitlines()
+                  if x.startswith("model name")), platform.machine())  # fmt: skip
+    flags = next((set(x.split(":", 1)[1].split()) for x in text.splitlines()
+                  if x.startswith("flags")), set())  # fmt: skip
+    if "avx512f" in flags:
+        units = "AVX-512" + (" with bfloat16" if "avx512_bf16" in flags else "")
+    else:
+        units = "AVX2, no AVX-512" if "avx2" in flags else "no AVX2"
+    return f"{model}: {units}"
 
 
 def merged(first: dict, then: dict) -> dict:
