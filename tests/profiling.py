@@ -288,8 +288,8 @@ class Collect:
 
 
 def cpu() -> str:
-    """The processor and its widest vector units: two machines of 2 cores, one with AVX-512 and
-    one with AVX2 alone, take very different times over the same suite."""
+    """The processor and its widest vector units (whether it has bfloat16 ones among them): two
+    machines of 2 cores can take very different times over the same suite."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
